@@ -1,0 +1,59 @@
+"""The smallest honest DeepSpeed training loop, and a synthetic batch stream to feed it.
+
+``engine(...)`` → ``engine.backward(loss)`` → ``engine.step()`` is the whole contract:
+DeepSpeed decides inside ``backward`` and ``step`` how gradients are reduced and partitioned
+(ZeRO), scaled (fp16), accumulated and clipped. The step-specific trainers (SFT, reward, PPO)
+build on this same pattern; this module is what the introduction and the systems chapters use.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+
+def counting_batches(vocab_size: int, micro_batch_size: int, seq_len: int, seed: int = 0,
+                     stride_choices: tuple[int, ...] = (1, 2, 3)) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless batches of arithmetic token sequences (start, start+k, start+2k, ... mod vocab).
+
+    The next token is determined by the previous two, so a model that learns gets its loss
+    well below ln(vocab_size), the loss of a uniform guess. Deterministic for a given seed,
+    which lets the systems chapters feed identical batches to differently configured engines.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    positions = torch.arange(seq_len)
+    strides = torch.tensor(stride_choices)
+    while True:
+        start = torch.randint(0, vocab_size, (micro_batch_size, 1), generator=generator)
+        stride = strides[torch.randint(0, len(strides), (micro_batch_size, 1), generator=generator)]
+        input_ids = (start + stride * positions) % vocab_size
+        yield {"input_ids": input_ids, "labels": input_ids.clone()}
+
+
+def run_steps(engine, batches: Iterable[dict[str, torch.Tensor]], num_steps: int,
+              desc: str = "train", progress: bool = True) -> list[dict]:
+    """Train ``engine`` for ``num_steps`` micro-batches; return one history row per micro-batch.
+
+    Each row has ``step`` (micro-batch index), ``loss``, ``lr``, ``seconds`` and ``tokens``,
+    plus ``loss_scale`` and ``skipped`` (DeepSpeed's running count of skipped optimizer steps)
+    when the engine runs in fp16.
+    """
+    history = []
+    batches = iter(batches)
+    device = engine.device
+    for step in tqdm(range(num_steps), desc=desc, disable=not progress, leave=False):
+        batch = {k: v.to(device) for k, v in next(batches).items()}
+        started = time.perf_counter()
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        row = {"step": step, "loss": loss.item(), "lr": engine.get_lr()[0],
+               "seconds": time.perf_counter() - started, "tokens": int(batch["input_ids"].numel())}
+        if engine.fp16_enabled():
+            row["loss_scale"] = float(engine.optimizer.cur_scale)
+            row["skipped"] = int(engine.skipped_steps)
+        history.append(row)
+    return history
