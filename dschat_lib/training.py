@@ -57,3 +57,50 @@ def run_steps(engine, batches: Iterable[dict[str, torch.Tensor]], num_steps: int
             row["skipped"] = int(engine.skipped_steps)
         history.append(row)
     return history
+
+
+def fit(engine, loader: Iterable[dict[str, torch.Tensor]], loss_fn, num_epochs: int = 1,
+        max_micro_steps: int | None = None, evaluate=None, eval_every: int = 0,
+        desc: str = "train", progress: bool = True, log=None) -> list[dict]:
+    """The training loop of steps 1 and 2: epochs over ``loader``, one history row per micro-batch.
+
+    ``loss_fn(engine, batch) -> (loss, metrics)`` computes the step's loss (SFT: the LM loss;
+    reward model: the pairwise loss) and any extra scalars to log. ``evaluate()`` — if given —
+    runs every ``eval_every`` optimizer steps and at the end; its dict is merged into that row.
+    ``log(engine, metrics, step)`` receives every row (e.g. :func:`dschat_lib.engine.log_metrics`).
+    Gradient accumulation is DeepSpeed's: ``engine.step()`` is called every micro-batch and
+    updates the weights only at accumulation boundaries.
+    """
+    history: list[dict] = []
+    device = engine.device
+    total = max_micro_steps if max_micro_steps is not None else num_epochs * len(loader)
+    bar = tqdm(total=total, desc=desc, disable=not progress, leave=False)
+    micro_step = 0
+    evaluated_last = False
+    for epoch in range(num_epochs):
+        for batch in loader:
+            if max_micro_steps is not None and micro_step >= max_micro_steps:
+                break
+            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            started = time.perf_counter()
+            loss, metrics = loss_fn(engine, batch)
+            engine.backward(loss)
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.step()
+            row = {"micro_step": micro_step, "step": engine.global_steps, "epoch": epoch,
+                   "loss": loss.item(), "lr": engine.get_lr()[0],
+                   "seconds": time.perf_counter() - started, **metrics}
+            evaluated_last = bool(evaluate is not None and boundary and eval_every
+                                  and engine.global_steps % eval_every == 0)
+            if evaluated_last:
+                row.update(evaluate())
+            history.append(row)
+            if log is not None:
+                log(engine, {k: v for k, v in row.items() if isinstance(v, (int, float))}, micro_step)
+            micro_step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.3f}")
+    bar.close()
+    if evaluate is not None and history and not evaluated_last:
+        history[-1].update(evaluate())
+    return history
