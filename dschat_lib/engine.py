@@ -90,10 +90,11 @@ def build_train_engine(model: torch.nn.Module, settings: TrainSettings, num_trai
         raise ValueError(f"num_training_steps must be >= 1, got {num_training_steps}")
     model = lora_lib.apply_lora(model, settings.lora)
     if settings.gradient_checkpointing:
-        # transformers >= 5 renamed the switch; accept either spelling.
-        enable = (getattr(model, "activation_checkpointing_enable", None)
-                  or model.gradient_checkpointing_enable)
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers >= 5 renamed the switch (and its keyword); accept either spelling.
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if settings.lora.enabled and settings.lora.only_optimize_lora:
             # Frozen embeddings produce outputs without grad; checkpointed blocks then have no
             # input needing grad and would skip LoRA's backward.
