@@ -125,3 +125,79 @@ def log_metrics(engine, metrics: dict[str, float], step: int, prefix: str = "Tra
     if monitor is not None and monitor.enabled:
         monitor.write_events([(f"{prefix}/{name}", float(value), step)
                               for name, value in metrics.items()])
+
+
+# --------------------------------------------------------------------------- command line
+
+def add_train_arguments(parser, prefix: str = "", defaults: TrainSettings | None = None) -> None:
+    """Add the :class:`TrainSettings` options to an argparse parser, named like DeepSpeed-Chat's.
+
+    ``prefix`` ("actor_", "critic_") gives step 3 one set per trained model. Flags that are
+    per-run rather than per-model (``--dtype``, ``--offload``, ``--seed``, batch sizes) are
+    added only without a prefix.
+    """
+    d = defaults or TrainSettings()
+    p = prefix
+    parser.add_argument(f"--{p}learning_rate", type=float, default=d.learning_rate,
+                        help="initial learning rate (after warm-up)")
+    parser.add_argument(f"--{p}weight_decay", type=float, default=d.weight_decay,
+                        help="AdamW weight decay; never applied to biases or norm weights")
+    parser.add_argument(f"--{p}zero_stage", type=int, default=d.zero_stage, choices=(0, 1, 2, 3),
+                        help="ZeRO stage: 1 partitions optimizer state, 2 also gradients, 3 also parameters")
+    parser.add_argument(f"--{p}gradient_checkpointing", action="store_true",
+                        default=d.gradient_checkpointing,
+                        help="recompute activations during backward to save memory")
+    parser.add_argument(f"--{p}lora_dim", type=int, default=d.lora.dim,
+                        help="LoRA rank r; 0 disables LoRA")
+    parser.add_argument(f"--{p}lora_module_name", default=d.lora.module_name,
+                        help="LoRA adapts linear layers whose name contains this")
+    parser.add_argument(f"--{p}lora_learning_rate", type=float, default=d.lora.learning_rate,
+                        help="learning rate of the LoRA weights (default: the base rate)")
+    if prefix:
+        return
+    parser.add_argument("--per_device_train_batch_size", type=int, default=d.per_device_train_batch_size,
+                        help="micro-batch size per rank")
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=d.gradient_accumulation_steps,
+                        help="micro-batches per optimizer step")
+    parser.add_argument("--lr_scheduler_type", default=d.lr_scheduler_type, choices=LR_SCHEDULER_TYPES,
+                        help="learning-rate schedule after warm-up")
+    parser.add_argument("--num_warmup_steps", type=int, default=d.num_warmup_steps,
+                        help="optimizer steps of linear warm-up")
+    parser.add_argument("--only_optimize_lora", action="store_true", default=d.lora.only_optimize_lora,
+                        help="train only the LoRA weights (default when --lora_dim > 0)")
+    parser.add_argument("--train_base_with_lora", dest="only_optimize_lora", action="store_false",
+                        help="with LoRA, also train the base weights (LoRA plus full fine-tuning)")
+    parser.add_argument("--offload", action="store_true", default=d.offload,
+                        help="offload optimizer state (and at ZeRO-3 parameters) to CPU memory")
+    parser.add_argument("--dtype", default=d.dtype, choices=("fp32", "fp16", "bf16"),
+                        help="training precision")
+    parser.add_argument("--gradient_clipping", type=float, default=d.gradient_clipping,
+                        help="clip the global gradient norm to this value")
+    parser.add_argument("--enable_tensorboard", action="store_true",
+                        help="log metrics to TensorBoard and CSV through DeepSpeed's monitor")
+    parser.add_argument("--tensorboard_path", default=None,
+                        help="where monitor logs go (default: OUTPUT_DIR/logs)")
+    parser.add_argument("--seed", type=int, default=d.seed, help="random seed")
+    parser.add_argument("--local_rank", type=int, default=-1,
+                        help="set by the deepspeed launcher; the LOCAL_RANK variable is used instead")
+
+
+def settings_from_args(args, prefix: str = "", job_name: str = "dschat") -> TrainSettings:
+    """The :class:`TrainSettings` that parsed arguments describe (see :func:`add_train_arguments`)."""
+    def get(name):
+        return getattr(args, prefix + name)
+
+    monitor_dir = None
+    if args.enable_tensorboard:
+        monitor_dir = args.tensorboard_path or f"{args.output_dir}/logs"
+    return TrainSettings(
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=get("learning_rate"), weight_decay=get("weight_decay"),
+        lr_scheduler_type=args.lr_scheduler_type, num_warmup_steps=args.num_warmup_steps,
+        zero_stage=get("zero_stage"), offload=args.offload, dtype=args.dtype,
+        gradient_clipping=args.gradient_clipping, gradient_checkpointing=get("gradient_checkpointing"),
+        lora=lora_lib.LoraSettings(dim=get("lora_dim"), module_name=get("lora_module_name"),
+                                   only_optimize_lora=args.only_optimize_lora,
+                                   learning_rate=get("lora_learning_rate")),
+        monitor_dir=monitor_dir, job_name=job_name, seed=args.seed)

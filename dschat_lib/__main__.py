@@ -1,0 +1,5 @@
+import sys
+
+from dschat_lib.cli import main
+
+sys.exit(main())
