@@ -145,3 +145,83 @@ def merge(model: torch.nn.Module, zero_stage: int = 0) -> torch.nn.Module:
     with context:
         merged = model.merge_and_unload()
     return merged
+
+
+# --------------------------------------------------------------------------- sizing
+
+#: Bytes per parameter of model state in mixed-precision Adam training (ZeRO paper, sec. 3.1):
+#: 16-bit weights (2) + 16-bit gradients (2) + fp32 master weights, momentum, variance (12).
+BYTES_PER_TRAINED_PARAM = 16
+#: A frozen parameter keeps only its 16-bit weights.
+BYTES_PER_FROZEN_PARAM = 2
+
+
+def lora_size(architecture: str, dim: int, module_name: str = "decoder.layers.",
+              vocab_size: int | None = None) -> dict[str, float]:
+    """Trainable parameters and model-state bytes of LoRA rank ``dim`` on an architecture.
+
+    The model is built on PyTorch's ``meta`` device: shapes without memory, so even the
+    largest architecture is sized instantly.
+    """
+    from dschat_lib import models
+
+    kwargs = {"vocab_size": vocab_size} if vocab_size else {}
+    with torch.device("meta"):
+        model = apply_lora(models.build_causal_lm(architecture, **kwargs),
+                           LoraSettings(dim=dim, module_name=module_name))
+    trainable, total = trainable_parameters(model)
+    frozen = total - trainable
+    full_bytes = (total - trainable) * BYTES_PER_TRAINED_PARAM     # fine-tuning the base model
+    lora_bytes = trainable * BYTES_PER_TRAINED_PARAM + frozen * BYTES_PER_FROZEN_PARAM
+    return {"architecture": architecture, "lora_dim": dim, "module_name": module_name,
+            "trainable": trainable, "total": total, "trainable_fraction": trainable / total,
+            "full_finetune_state_gb": full_bytes / 1e9, "lora_state_gb": lora_bytes / 1e9,
+            "state_ratio": lora_bytes / full_bytes}
+
+
+# --------------------------------------------------------------------------- ZeRO-3 demonstration
+
+def zero3_merge_check(seed: int = 0, vocab_size: int = 64, rank: int = 4) -> dict:
+    """Merge LoRA adapters inside a ZeRO-3 engine twice — with and without gathering — and
+    report how far each merged model's outputs are from the adapted model's.
+
+    Runs on every rank of a launched job (see ``__main__`` below); ZeRO-3 belongs in its own
+    process because it changes how later modules are constructed in the process that used it.
+    """
+    import deepspeed
+
+    from dschat_lib import config, models, runtime
+
+    runtime.init_distributed()
+    result = {}
+    for gather in (True, False):
+        model = models.build_causal_lm("cpu-tiny", vocab_size=vocab_size, seed=seed, num_hidden_layers=1,
+                                       hidden_size=32, ffn_dim=64, num_attention_heads=2)
+        model = apply_lora(model, LoraSettings(dim=rank))
+        generator = torch.Generator().manual_seed(seed)
+        for name, param in model.named_parameters():   # B starts at 0; give the merge work to do
+            if "lora_B" in name:
+                param.data.normal_(std=0.5, generator=generator)
+        tokens = torch.randint(0, vocab_size, (2, 8), generator=generator)
+        with torch.no_grad():
+            before = model(input_ids=tokens).logits
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=config.ds_config(stage=3, micro_batch_size=2, dtype="fp32", optimizer=config.adamw(1e-3)))
+        local_numel = sum(p.numel() for p in engine.module.parameters())
+        merged = merge(engine.module, zero_stage=3 if gather else 0)
+        with torch.no_grad():
+            after = merged(input_ids=tokens).logits      # ZeRO-3 hooks gather for the forward
+        result["gathered" if gather else "not_gathered"] = {
+            "max_abs_diff": (after - before).abs().max().item(), "local_numel_before_merge": local_numel}
+        runtime.teardown(engine)
+    return result
+
+
+if __name__ == "__main__":
+    from dschat_lib import runtime
+
+    outcome = zero3_merge_check()
+    if runtime.RESULT_DIR_ENV in __import__("os").environ:
+        runtime.write_rank_result(outcome)
+    print(outcome)
