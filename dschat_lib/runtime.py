@@ -144,12 +144,13 @@ class LaunchError(RuntimeError):
 
 def launch(module: str, args: Sequence[str] = (), num_ranks: int = 2, result_dir: str | os.PathLike
            | None = None, launcher: str = "deepspeed", timeout: float = 600,
-           extra_env: dict[str, str] | None = None) -> list[dict]:
+           extra_env: dict[str, str] | None = None, master_port: int | None = None) -> list[dict]:
     """Run ``python -m module args...`` on ``num_ranks`` ranks and return each rank's result.
 
     ``launcher`` is ``"deepspeed"`` (the DeepSpeed launcher, as on a GPU node) or
     ``"torchrun"``. Each rank is expected to call :func:`write_rank_result`. The results come
     back ordered by rank. On failure a :class:`LaunchError` shows the end of the output.
+    ``master_port`` pins the rendezvous port (default: a free one).
     """
     import tempfile
 
@@ -165,7 +166,7 @@ def launch(module: str, args: Sequence[str] = (), num_ranks: int = 2, result_dir
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     env.update(extra_env or {})
 
-    port = str(free_port())
+    port = str(master_port or free_port())
     bin_dir = Path(sys.executable).parent
     if launcher == "deepspeed":
         # On a CPU-only machine --num_gpus is the number of local ranks to start.
