@@ -214,7 +214,9 @@ def zero3_merge_check(seed: int = 0, vocab_size: int = 64, rank: int = 4) -> dic
             after = merged(input_ids=tokens).logits      # ZeRO-3 hooks gather for the forward
         result["gathered" if gather else "not_gathered"] = {
             "max_abs_diff": (after - before).abs().max().item(), "local_numel_before_merge": local_numel}
-        runtime.teardown(engine)
+        # Keep the process group: a launched rank cannot re-rendezvous on the launcher's port.
+        engine.destroy()
+    runtime.teardown()
     return result
 
 
