@@ -228,3 +228,81 @@ def train_reward_model(model, train_loader, eval_batches: Sequence[dict], settin
                            log=log_metrics)
     after = evaluate_pairs(engine.module, eval_batches)
     return engine, RewardReport(history=history, before=before, after=after, loss=loss)
+
+
+# --------------------------------------------------------------------------- command line
+
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m dschat_lib step2`` options, named like DeepSpeed-Chat's step-2 ``main.py``."""
+    from dschat_lib.engine import add_train_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="python -m dschat_lib step2",
+        description="Step 2: train a reward model on preference pairs (or K-wise rankings) and "
+                    "report accuracy and mean chosen/rejected scores before and after.")
+    parser.add_argument("--data_path", nargs="*", default=["shipped"],
+                        help="datasets: 'shipped' (the book's list task), a supported Hub name "
+                             "(e.g. Dahoas/rm-static) or a local json/jsonl/parquet file or directory")
+    parser.add_argument("--data_split", default="2,4,4",
+                        help="shares of every dataset for steps 1,2,3; step 2 trains on the second")
+    parser.add_argument("--model_name_or_path", required=True,
+                        help="where the reward model starts: the step-1 output directory (as in "
+                             "InstructGPT) or an architecture name such as cpu-tiny (random init)")
+    parser.add_argument("--tokenizer_name_or_path", default=None,
+                        help="tokenizer directory (default: the model directory if it holds one, "
+                             "else the shipped tokenizer)")
+    parser.add_argument("--loss", choices=LOSSES, default="pairwise",
+                        help="pairwise: -log σ(r_chosen - r_rejected); k_wise: all pairs of k ranked "
+                             "responses per prompt (InstructGPT; shipped data only)")
+    parser.add_argument("--max_seq_len", type=int, default=64,
+                        help="prompt + response tokens; longer pairs are dropped and counted")
+    parser.add_argument("--per_device_eval_batch_size", type=int, default=64,
+                        help="pairs per evaluation batch")
+    parser.add_argument("--num_train_epochs", type=int, default=1, help="passes over the step-2 data")
+    parser.add_argument("--max_steps", type=int, default=None,
+                        help="stop after this many micro-batches (default: the full epochs)")
+    parser.add_argument("--eval_interval", type=int, default=0,
+                        help="evaluate every N optimizer steps (0: only before and after)")
+    parser.add_argument("--max_eval_pairs", type=int, default=None,
+                        help="evaluate on at most this many eval pairs (default: all)")
+    parser.add_argument("--output_dir", required=True,
+                        help="where the reward model (Hugging Face format) and report.json go")
+    parser.add_argument("--disable_progress", action="store_true", help="no progress bar")
+    add_train_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run step 2 from the command line (also under ``deepspeed --num_gpus N``)."""
+    from dschat_lib import data, models, runtime
+    from dschat_lib.engine import settings_from_args
+    from dschat_lib.pipeline import distributed_loader, finish_rank, load_tokenizer_for
+
+    args = build_parser().parse_args(argv)
+    runtime.init_distributed()
+    runtime.seed_everything(args.seed)
+    world = torch.distributed.get_world_size()
+    tokenizer = load_tokenizer_for(args.model_name_or_path, args.tokenizer_name_or_path)
+    pairs = data.build_phase_data(2, tokenizer, args.data_path, data_split=args.data_split,
+                                  seed=args.seed, max_seq_len=args.max_seq_len)
+    train_data = (data.build_k_wise_data(tokenizer, max_seq_len=args.max_seq_len)
+                  if args.loss == "k_wise" else pairs)
+    settings = settings_from_args(args, job_name="step2_reward")
+    loader = distributed_loader(train_data.train, train_data.collator,
+                                settings.per_device_train_batch_size, args.seed)
+    eval_items = pairs.eval.items[:args.max_eval_pairs]
+    eval_batches = [pairs.collator(eval_items[i:i + args.per_device_eval_batch_size])
+                    for i in range(0, len(eval_items), args.per_device_eval_batch_size)]
+    model = models.create_reward_model(args.model_name_or_path, tokenizer, seed=args.seed)
+    engine, report = train_reward_model(model, loader, eval_batches, settings, loss=args.loss,
+                                        num_train_epochs=args.num_train_epochs,
+                                        max_micro_steps=args.max_steps, eval_every=args.eval_interval,
+                                        progress=not args.disable_progress, world_size=world)
+    models.save_hf_model(engine, args.output_dir, tokenizer)
+    summary = {"step": 2, "loss": args.loss, "world_size": world, "table": report.table(),
+               "final_train_loss": report.history[-1]["loss"], "data": pairs.stats}
+    for row in report.table():
+        print(f"step 2 {row['when']:>6}: acc {row['acc']:.3f}  chosen {row['chosen_mean']:+.3f}  "
+              f"rejected {row['rejected_mean']:+.3f}  margin {row['margin']:+.3f}")
+    finish_rank(args.output_dir, summary, engine)
+    return 0
