@@ -298,3 +298,34 @@ def generate_splits(seed: int = DEFAULT_SEED, train_rows: int = TRAIN_ROWS, eval
                               ("k_wise_eval", k_wise_eval_rows, k_wise_row)):
         splits[name] = [make(rng, problem) for problem in _unique_problems(rng, count, taken)]
     return splits
+
+
+# --------------------------------------------------------------------------- summaries
+
+def preference_stats(rows: list[dict]) -> dict[str, float]:
+    """Ground-truth facts about preference rows: how often chosen beats rejected, mean scores,
+    and the share of chosen responses that are exactly right."""
+    chosen = [score(r["prompt"], r["chosen"]) for r in rows]
+    rejected = [score(r["prompt"], r["rejected"]) for r in rows]
+    n = len(rows)
+    return {"rows": n,
+            "chosen_beats_rejected_fraction": sum(c > r for c, r in zip(chosen, rejected)) / n,
+            "mean_chosen_score": sum(chosen) / n, "mean_rejected_score": sum(rejected) / n,
+            "chosen_perfect_fraction": sum(c == 1.0 for c in chosen) / n,
+            "chosen_scores": chosen, "rejected_scores": rejected}
+
+
+def score_ladder(problem: Problem) -> list[dict]:
+    """One prompt's correct answer and a named mistake of each kind, with the score of each —
+    the scorer at work, for the data chapter."""
+    rng = random.Random(0)
+    answer = problem.answer
+    rows = [{"mistake": "none (correct)", "response": format_answer(answer)}]
+    for name, make in CORRUPTIONS.items():
+        text = make(rng, answer, problem)
+        if text is not None:
+            rows.append({"mistake": name, "response": text})
+    rows.append({"mistake": "empty", "response": ""})
+    for row in rows:
+        row.update(score_components(problem.prompt, row["response"]))
+    return sorted(rows, key=lambda row: -row["score"])
