@@ -36,3 +36,19 @@ def loss_curve(history: Sequence[dict], title: str = "training loss", key: str =
     fig.tight_layout()
     plt.close(fig)
     return fig
+
+
+def score_histograms(groups: dict[str, Sequence[float]], title: str = "ground-truth scores",
+                     bins: int = 20) -> plt.Figure:
+    """Overlaid histograms of scores in [0, 1], one per named group (e.g. chosen vs rejected)."""
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    edges = [i / bins for i in range(bins + 1)]
+    for label, values in groups.items():
+        ax.hist(values, bins=edges, alpha=0.55, label=f"{label} (mean {sum(values) / len(values):.2f})")
+    ax.set_xlabel("score")
+    ax.set_ylabel("rows")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
