@@ -181,6 +181,7 @@ class RewardModel(torch.nn.Module):
     and no count of leading pad tokens has to be guessed (DeepSpeed-Chat's reward model takes
     ``num_padding_at_beginning`` as an argument because OPT's BOS and pad tokens get confused).
     Without a mask, padding is found from ``pad_token_id``, which must then differ from EOS.
+    Position ids count from each sequence's first real token unless given.
     """
 
     def __init__(self, backbone: torch.nn.Module, pad_token_id: int | None = None):
@@ -200,6 +201,11 @@ class RewardModel(torch.nn.Module):
                 raise ValueError("RewardModel needs an attention_mask or a pad_token_id to find "
                                  "the last real token of each sequence")
             attention_mask = (input_ids != self.pad_token_id).long()
+        if "position_ids" not in kwargs:
+            # Count positions from each sequence's first real token, so a left-padded sequence
+            # gets the same positions (and the same reward) as a right-padded one. OPT derives
+            # them from the mask itself; Llama would otherwise number the padding too.
+            kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                                **kwargs).last_hidden_state
         values = self.v_head(hidden).squeeze(-1)

@@ -2,7 +2,7 @@
 
 A public tokenizer (OPT's has 50 272 entries) would make the embedding table the largest part
 of a one-million-parameter model. Trained on the task's own text, a few hundred entries cover
-it: every number 0..99 becomes one token, and so do the instruction words.
+it: every number of the task becomes one token, and so do the instruction words.
 
 Special tokens are explicit and distinct — DeepSpeed-Chat's OPT tokenizer uses ``</s>`` as
 both BOS and EOS and pads with ``<pad>``, and its reward model then has to guess where padding
@@ -17,8 +17,8 @@ starts (``num_padding_at_beginning``). Here:
   :mod:`dschat_lib.data` pad on the right themselves.
 
 Load with :func:`load_tokenizer` (``AutoTokenizer.from_pretrained("data/tokenizer")``);
-rebuild with :func:`train_tokenizer` (``python -m dschat_lib.data regenerate`` does both data
-and tokenizer).
+rebuild it, with the task files, by ``python -m dschat_lib.data regenerate``
+(:func:`dschat_lib.data.regenerate` calls :func:`train_tokenizer` on the training split).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-from dschat_lib import tasks
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 TOKENIZER_DIR = DATA_DIR / "tokenizer"
@@ -96,11 +95,3 @@ def check_tokenizer(tokenizer, source: str = "tokenizer") -> None:
     if tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise ValueError(f"{source}: pad token and eos token share id {tokenizer.pad_token_id}; "
                          "padding would then be indistinguishable from the end of a response")
-
-
-def build_shipped_tokenizer(out_dir: str | Path = TOKENIZER_DIR, seed: int = tasks.DEFAULT_SEED):
-    """Train the book's tokenizer on the shipped training split and save it to ``out_dir``."""
-    rows = tasks.generate_splits(seed)["train"]
-    tokenizer = train_tokenizer(training_corpus(rows))
-    tokenizer.save_pretrained(str(out_dir))
-    return tokenizer

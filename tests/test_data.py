@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dschat_lib import data, tokenizer as tokenizer_lib
+from dschat_lib import data, tasks, tokenizer as tokenizer_lib
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -43,7 +43,7 @@ def test_tokenizer_special_tokens_and_padding_side(tok):
 
 
 def test_every_number_is_one_token(tok):
-    for n in range(100):
+    for n in range(tasks.MAX_NUMBER + 1):
         assert len(tok(f" {n}", add_special_tokens=False)["input_ids"]) == 1, n
 
 

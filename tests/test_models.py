@@ -29,9 +29,9 @@ def test_existing_api_still_works():
         models.architecture_config("opt-7b")
 
 
-def test_cpu_tiny_with_the_shipped_tokenizer_is_one_to_five_million_parameters(tok):
+def test_cpu_tiny_with_the_shipped_tokenizer_is_about_a_million_parameters(tok):
     model = models.create_hf_model("cpu-tiny", tok, seed=0)
-    assert 1e6 <= models.parameter_count(model) <= 5e6
+    assert 0.8e6 <= models.parameter_count(model) <= 5e6
 
 
 @pytest.mark.parametrize("name, billions", [("opt-125m", 0.125), ("opt-350m", 0.331), ("opt-1.3b", 1.316)])
@@ -83,8 +83,12 @@ def _right_and_left_padded(tok, texts):
     return right, (right != tok.pad_token_id).long(), left, (left != tok.pad_token_id).long()
 
 
-def test_reward_is_read_at_the_last_real_token_whatever_the_padding(tok):
-    reward_model = models.create_reward_model("cpu-tiny", tok, seed=0, **SMALL).eval()
+@pytest.mark.parametrize("architecture, shape", [("cpu-tiny", SMALL),
+                                                 ("llama-tiny", dict(hidden_size=32, num_hidden_layers=1,
+                                                                     num_attention_heads=2, num_key_value_heads=1,
+                                                                     intermediate_size=64))])
+def test_reward_is_read_at_the_last_real_token_whatever_the_padding(tok, architecture, shape):
+    reward_model = models.create_reward_model(architecture, tok, seed=0, **shape).eval()
     right, right_mask, left, left_mask = _right_and_left_padded(tok, ["\n\nHuman: Repeat this list: 1 2\n\nAssistant: 1 2",
                                                                   "\n\nHuman: Reverse this list: 5 6 7\n\nAssistant: 7 6 5"])
     with torch.no_grad():
