@@ -30,6 +30,8 @@ from typing import Iterable
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 TOKENIZER_DIR = DATA_DIR / "tokenizer"
 
+#: The name the presets use for the book's own tokenizer.
+SHIPPED = "shipped"
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3 in this order
 #: Vocabulary size of the shipped tokenizer (the BPE trainer stops when merges run out before it).
@@ -74,14 +76,16 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = VOCAB_SIZE):
 
 
 def load_tokenizer(path: str | Path = TOKENIZER_DIR):
-    """The tokenizer saved at ``path`` (the shipped one by default), through ``AutoTokenizer``.
+    """The tokenizer saved at ``path`` (the shipped one by default, also named ``"shipped"`` as in
+    the presets; or a Hub id), through ``AutoTokenizer``.
 
     Checks the properties the rest of the library relies on and says which one is missing,
     so a tokenizer from elsewhere fails here rather than as a silent wrong result later.
     """
     from transformers import AutoTokenizer
 
-    path = Path(path) if Path(path).exists() else path  # a Hub id stays a string
+    if str(path) == SHIPPED:
+        path = TOKENIZER_DIR
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     check_tokenizer(tokenizer, source=str(path))
     return tokenizer

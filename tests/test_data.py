@@ -42,6 +42,10 @@ def test_tokenizer_special_tokens_and_padding_side(tok):
     assert tok.decode(ids, skip_special_tokens=True) == "\n\nHuman: Reverse this list: 1 2 3\n\nAssistant:"
 
 
+def test_the_shipped_tokenizer_by_name(tok):
+    assert tokenizer_lib.load_tokenizer("shipped").get_vocab() == tok.get_vocab()
+
+
 def test_every_number_is_one_token(tok):
     for n in range(tasks.MAX_NUMBER + 1):
         assert len(tok(f" {n}", add_special_tokens=False)["input_ids"]) == 1, n
