@@ -206,3 +206,18 @@ def test_preset_overrides_and_errors():
         presets.get_preset("gpt-5")
     with pytest.raises(TypeError, match="no field"):
         presets.get_preset("cpu-tiny", learning_rate=1.0)
+
+
+@pytest.mark.parametrize("architecture, shape", [("cpu-tiny", SMALL),
+                                                 ("llama-tiny", dict(hidden_size=32, num_hidden_layers=1,
+                                                                     num_attention_heads=2, num_key_value_heads=1,
+                                                                     intermediate_size=64))])
+def test_reward_model_from_an_sft_checkpoint_keeps_its_weights(tok, tmp_path, architecture, shape):
+    # Step 2 starts from the step-1 model: the backbone must come out of the causal-LM checkpoint
+    # with its trained weights, not be silently re-initialised.
+    sft = models.create_hf_model(architecture, tok, seed=5, **shape)
+    models.save_hf_model(sft, str(tmp_path), tokenizer=tok)
+    reward_model = models.create_reward_model(str(tmp_path), tok, seed=0)
+    backbone = dict(reward_model.backbone.named_parameters())
+    for name, param in sft.base_model.named_parameters():
+        assert torch.equal(backbone[name], param), name
