@@ -28,12 +28,27 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def split_local_rank(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separate the ``--local_rank=N`` (or ``--local_rank N``) that the deepspeed launcher puts
+    *before* the user's arguments, so the sub-command is found wherever it sits."""
+    launcher_args, rest = [], []
+    tokens = iter(argv)
+    for token in tokens:
+        if token.startswith("--local_rank="):
+            launcher_args.append(token)
+        elif token == "--local_rank":
+            launcher_args += [token, next(tokens, "")]
+        else:
+            rest.append(token)
+    return launcher_args, rest
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    launcher_args, argv = split_local_rank(list(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0
-    step, rest = argv[0], argv[1:]
+    step, rest = argv[0], argv[1:] + launcher_args
     if step not in STEPS:
         print(f"unknown step {step!r}\n\n{usage()}", file=sys.stderr)
         return 2

@@ -87,3 +87,99 @@ def train_sft(model: torch.nn.Module, tokenizer, train_loader, eval_batches: Seq
     report = SFTReport(history=history, ppl_before=before["ppl"], ppl_after=after["ppl"],
                        truth_before=before.get("truth"), truth_after=after.get("truth"), samples=samples)
     return engine, report
+
+
+# =========================================================================== command line
+
+#: Prompts whose greedy answers are scored against the ground truth after training (shipped
+#: task only: other datasets have no ground truth).
+DEFAULT_NUM_EVAL_PROMPTS = 64
+#: Eval sequences used for perplexity, in batches of the eval batch size.
+DEFAULT_NUM_EVAL_SEQUENCES = 256
+
+
+def build_parser():
+    """``python -m dschat_lib step1``: flags named like DeepSpeed-Chat's step-1 ``main.py``."""
+    import argparse
+
+    from dschat_lib import data, engine
+
+    parser = argparse.ArgumentParser(
+        prog="python -m dschat_lib step1",
+        description="Step 1: supervised fine-tuning of the actor on prompt + chosen response. "
+                    "Runs on one process or under `deepspeed --num_gpus N` / torchrun; writes a "
+                    "Hugging Face model (safetensors), its tokenizer and report.json to --output_dir.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = parser.add_argument
+    add("--data_path", nargs="*", default=[data.SHIPPED],
+        help="datasets: 'shipped' (the book's list task), a Hub name such as Dahoas/rm-static, "
+             "or a local json/jsonl/parquet file; several are combined")
+    add("--data_split", default="2,4,4",
+        help="shares of every dataset given to steps 1, 2 and 3 (disjoint, one seeded permutation)")
+    add("--sft_only_data_path", nargs="*", default=[],
+        help="datasets used only by step 1 (all their rows)")
+    add("--data_output_path", default=None,
+        help="where tokenized data are cached (default: ~/.cache/dschat-book/tokenized)")
+    add("--model_name_or_path", default="cpu-tiny",
+        help="an architecture name (built from config, random init), a local checkpoint or a Hub id")
+    add("--tokenizer_name_or_path", default=None,
+        help="default: the tokenizer saved beside the model, else the shipped one")
+    add("--per_device_eval_batch_size", type=int, default=64, help="eval batch size per rank")
+    add("--max_seq_len", type=int, default=64, help="prompt + response tokens; longer rows are dropped and counted")
+    add("--num_train_epochs", type=int, default=1, help="passes over the step-1 share of the data")
+    add("--max_steps", type=int, default=None, help="stop after this many micro-batches (default: all epochs)")
+    add("--mask_prompt", action=argparse.BooleanOptionalAction, default=True,
+        help="leave prompt tokens out of the loss (--no-mask_prompt scores them, as DeepSpeed-Chat does)")
+    add("--dropout", type=float, default=0.0, help="dropout probability of every dropout layer")
+    add("--eval_interval", type=int, default=0, help="optimizer steps between eval-perplexity checks (0: end only)")
+    add("--num_eval_prompts", type=int, default=DEFAULT_NUM_EVAL_PROMPTS,
+        help="prompts answered greedily and scored by the ground truth (shipped task only)")
+    add("--output_dir", required=True, help="where the model, tokenizer and report.json go")
+    engine.add_train_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run step 1 from the command line; see :func:`build_parser` for the options."""
+    import torch.distributed as dist
+
+    from dschat_lib import data, lora, models, pipeline, runtime, tasks
+    from dschat_lib.engine import settings_from_args
+
+    args = build_parser().parse_args(argv)
+    runtime.seed_everything(args.seed)
+    runtime.init_distributed()
+    world_size = dist.get_world_size()
+    tokenizer = pipeline.load_tokenizer_for(args.model_name_or_path, args.tokenizer_name_or_path)
+    cache = {"cache_dir": args.data_output_path} if args.data_output_path else {}
+    phase = data.build_phase_data(1, tokenizer, args.data_path, data_split=args.data_split,
+                                  seed=args.seed, max_seq_len=args.max_seq_len,
+                                  mask_prompt=args.mask_prompt, sft_only=args.sft_only_data_path, **cache)
+    loader = pipeline.distributed_loader(phase.train, phase.collator, args.per_device_train_batch_size,
+                                         args.seed)
+    eval_items = phase.eval.items[:DEFAULT_NUM_EVAL_SEQUENCES]
+    size = args.per_device_eval_batch_size
+    eval_batches = [phase.collator(eval_items[i:i + size]) for i in range(0, len(eval_items), size)]
+    has_truth = all(str(source) == data.SHIPPED for source in args.data_path)
+    prompts = [row["prompt"] for row in phase.eval_rows[:args.num_eval_prompts]] if has_truth else []
+
+    model = models.create_hf_model(args.model_name_or_path, tokenizer, seed=args.seed, dropout=args.dropout)
+    settings = settings_from_args(args, job_name="step1_sft")
+    engine, report = train_sft(model, tokenizer, loader, eval_batches, settings,
+                               num_train_epochs=args.num_train_epochs, max_micro_steps=args.max_steps,
+                               eval_prompts=prompts, scorer=tasks.score if has_truth else None,
+                               eval_every=args.eval_interval, world_size=world_size,
+                               progress=dist.get_rank() == 0)
+    # LoRA adapters are folded into the weights, so the saved model is a plain HF model.
+    to_save = lora.merge(engine.module, settings.zero_stage) if settings.lora.enabled else engine
+    models.save_hf_model(to_save, args.output_dir, tokenizer)
+    summary = {"step": 1, "args": vars(args), "world_size": world_size, "data": phase.stats,
+               "ppl_before": report.ppl_before, "ppl_after": report.ppl_after,
+               "truth_before": report.truth_before, "truth_after": report.truth_after,
+               "final_loss": report.history[-1]["loss"], "micro_steps": len(report.history)}
+    pipeline.finish_rank(args.output_dir, summary, engine)
+    if dist.get_rank() == 0:
+        print(f"step 1 done: perplexity {report.ppl_before:.2f} -> {report.ppl_after:.2f}"
+              + (f", ground truth {report.truth_before:.3f} -> {report.truth_after:.3f}" if has_truth else "")
+              + f"; saved to {args.output_dir}")
+    return 0
