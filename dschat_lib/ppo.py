@@ -735,7 +735,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         ptx_loader=ptx_loader, progress=not args.disable_progress)
     after = evaluate_policy(engines, tokenizer, eval_batches, settings, scorer, seed=args.seed)
     save_models(engines, args.output_dir, tokenizer, actor_settings, critic_settings)
-    summary = {"step": 3, "world_size": world, "iterations": iterations,
+    summary = {"name": "step3", "step": 3, "world_size": world, "iterations": iterations,
                "sft": {k: before[k] for k in keys if k in before},
                "rlhf": {k: after[k] for k in keys if k in after},
                "history": history, "settings": asdict(settings)}
@@ -743,3 +743,40 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       for k in keys if k in before))
     finish_rank(args.output_dir, summary, engines.actor, engines.ref, engines.critic, engines.reward)
     return 0
+
+
+# --------------------------------------------------------------------------- figures
+
+#: The panels of :func:`plot_history`: title -> the metrics drawn in it.
+PANELS = {"scores": ("reward", "truth"), "KL to reference (nats/response)": ("kl",),
+          "response length (tokens)": ("response_len",), "losses": ("policy_loss", "value_loss"),
+          "clip fractions": ("clipfrac", "value_clipfrac"), "critic": ("explained_var",)}
+
+
+def plot_history(history: Sequence[dict], title: str = "PPO", window: int = 5):
+    """One panel per group of :data:`PANELS`, per iteration, with moving averages."""
+    import matplotlib.pyplot as plt
+
+    from dschat_lib.plots import smooth
+
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6))
+    steps = [row["iteration"] for row in history]
+    for ax, (panel, keys) in zip(axes.flat, PANELS.items()):
+        for key in keys:
+            if key in history[0]:
+                values = [row[key] for row in history]
+                line, = ax.plot(steps, values, alpha=0.3)
+                ax.plot(steps, smooth(values, window), color=line.get_color(), label=key)
+        ax.set_title(panel)
+        ax.set_xlabel("iteration")
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

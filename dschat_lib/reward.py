@@ -299,10 +299,70 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         max_micro_steps=args.max_steps, eval_every=args.eval_interval,
                                         progress=not args.disable_progress, world_size=world)
     models.save_hf_model(engine, args.output_dir, tokenizer)
-    summary = {"step": 2, "loss": args.loss, "world_size": world, "table": report.table(),
+    summary = {"name": "step2", "step": 2, "loss": args.loss, "world_size": world, "table": report.table(),
                "final_train_loss": report.history[-1]["loss"], "data": pairs.stats}
     for row in report.table():
         print(f"step 2 {row['when']:>6}: acc {row['acc']:.3f}  chosen {row['chosen_mean']:+.3f}  "
               f"rejected {row['rejected_mean']:+.3f}  margin {row['margin']:+.3f}")
     finish_rank(args.output_dir, summary, engine)
     return 0
+
+
+# --------------------------------------------------------------------------- figures
+
+def plot_score_distributions(before: dict, after: dict, bins: int = 30):
+    """Histograms of chosen and rejected scores before and after training (one panel each)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for ax, result, title in ((axes[0], before, "before training"), (axes[1], after, "after training")):
+        ax.hist(result["chosen"], bins=bins, alpha=0.6, label="chosen")
+        ax.hist(result["rejected"], bins=bins, alpha=0.6, label="rejected")
+        ax.set_title(f"{title}: acc {result['acc']:.2f}")
+        ax.set_xlabel("reward-model score")
+    axes[0].set_ylabel("pairs")
+    axes[1].legend()
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def plot_training(history: Sequence[dict], window: int = 10):
+    """Pairwise loss and training-batch accuracy per step (moving averages)."""
+    import matplotlib.pyplot as plt
+
+    from dschat_lib.plots import smooth
+
+    steps = [row["micro_step"] for row in history]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for ax, key, reference in ((axes[0], "loss", 0.6931), (axes[1], "acc", 0.5)):
+        values = [row[key] for row in history]
+        ax.plot(steps, values, alpha=0.3)
+        ax.plot(steps, smooth(values, window), label=f"{window}-step average")
+        ax.axhline(reference, color="grey", linestyle="--", label="chance")
+        ax.set_xlabel("step")
+        ax.set_title(key)
+    axes[1].legend()
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def plot_agreement(scores: Sequence[float], truth: Sequence[float]):
+    """Reward-model score against ground-truth score, one dot per response."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.5, 3.4))
+    ax.scatter(truth, scores, s=8, alpha=0.4)
+    ax.set_xlabel("ground-truth score")
+    ax.set_ylabel("reward-model score")
+    ax.set_title(f"Spearman ρ = {spearman(scores, truth):.2f}")
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
