@@ -31,6 +31,8 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install --quiet --upgrade pip
 	$(VPY) -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(VPY) -m pip install --quiet -e ".[book,test]"
+	@echo "building DeepSpeed's cpu_adam and async_io ops once (cached in ~/.cache/torch_extensions)"
+	$(VPY) -c "from dschat_lib.zero import build_ops; build_ops()"
 	$(VPY) -m ipykernel install --user --name $(KERNEL_NAME) --display-name "Python (dschat-book)" >/dev/null
 	touch $@
 
