@@ -35,9 +35,11 @@ from typing import Callable
 
 #: The numbers that appear in lists: 0 .. MAX_NUMBER. Each is one token of the shipped tokenizer.
 #: Difficulty is set by these two constants. Measured with the cpu-tiny model (0.9 M parameters,
-#: 1000 SFT steps of 32 rows): numbers up to 99 in lists of up to 7 left the model near its
-#: starting score (it had not yet learned to copy from the prompt); numbers up to 9 were learned
-#: almost at once; up to 29 in lists of up to 6 lands SFT at about two thirds of a perfect score.
+#: bf16, lr 1e-3, batches of 32 rows, greedy decoding on 300 eval prompts): with numbers up to 99
+#: in lists of up to 7 the model had not learned to copy numbers from the prompt after 24 000
+#: rows (score 0.18); numbers up to 9 were learned almost at once; with numbers up to 29 in lists
+#: of up to 6, 1000 steps (about a minute on 2 idle cores) took the score from 0.01 to 0.61 and
+#: 0.70 for two model seeds — well short of 1, with room left for the reward model and PPO.
 MAX_NUMBER = 29
 #: Shortest and longest input list.
 MIN_ITEMS, MAX_ITEMS = 3, 6
