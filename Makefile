@@ -1,7 +1,8 @@
 # dschat-book — two commands on a fresh machine:
 #   make book   set up .venv, execute every notebook (CPU preset), build HTML into _build/html
 #   make test   set up .venv, run the tests (which execute every notebook with papermill)
-# Also: make lab (JupyterLab on the notebooks), make clean.
+# Also: make lab (JupyterLab on the notebooks), make bench (benchmarks -> benchmarks/results and
+# the appendix; see benchmarks/README.md), make clean.
 #
 # CUDA users: install the torch build you want first, e.g.
 #   make book TORCH_SPEC="torch==2.13.0" TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
@@ -21,7 +22,7 @@ EXECUTED  := $(patsubst notebooks/%,$(SITE)/notebooks/%,$(NOTEBOOKS))
 # An executed notebook is stale when its source, the library or the shipped data changed.
 INPUTS    := $(sort $(wildcard dschat_lib/*.py) $(shell find data -type f 2>/dev/null))
 
-.PHONY: setup book test lab execute clean system-deps
+.PHONY: setup book test lab execute clean system-deps bench
 
 setup: $(STAMP)
 
@@ -59,6 +60,10 @@ test: $(STAMP)
 	$(VPY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure here"; exit 1; fi; \
 	  exit $$rc
+
+# The benchmark suite for this machine (GPU if present, else CPU); ~10 minutes on 2 CPU cores.
+bench: $(STAMP)
+	$(VPY) benchmarks/run.py $(BENCH_ARGS)
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/
