@@ -169,3 +169,36 @@ def score_histograms(groups: dict[str, Sequence[float]], title: str = "ground-tr
     fig.tight_layout()
     plt.close(fig)
     return fig
+
+
+def loss_curves(histories: dict[str, Sequence[dict]], title: str = "training loss", key: str = "loss",
+                window: int = 10) -> plt.Figure:
+    """Several runs' moving-average ``key`` per micro-batch on one axis, labelled by run name."""
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for name, history in histories.items():
+        ax.plot(range(len(history)), smooth([row[key] for row in history], window), label=name)
+    ax.set_xlabel("micro-batch")
+    ax.set_ylabel(f"{key} ({window}-step average)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def lora_state_by_rank(sizes: Sequence[dict]) -> plt.Figure:
+    """LoRA model-state memory against rank, beside full fine-tuning and the frozen-weight floor
+    (rows from :func:`dschat_lib.lora.lora_size` for one architecture)."""
+    ranks = [row["lora_dim"] for row in sizes]
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(ranks, [row["lora_state_gb"] for row in sizes], marker="o", label="LoRA (16 B/trained + 2 B/frozen)")
+    ax.axhline(sizes[0]["full_finetune_state_gb"], color="C3", linestyle="--", label="full fine-tuning (16 B/param)")
+    ax.axhline(sizes[0]["full_finetune_state_gb"] / 8, color="grey", linestyle=":", label="floor: frozen 16-bit weights")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("LoRA rank r")
+    ax.set_ylabel("model state, GB")
+    ax.set_title(f"{sizes[0]['architecture']}: model state by LoRA rank")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig

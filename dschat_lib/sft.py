@@ -183,3 +183,28 @@ def main(argv: Sequence[str] | None = None) -> int:
               + (f", ground truth {report.truth_before:.3f} -> {report.truth_after:.3f}" if has_truth else "")
               + f"; saved to {args.output_dir}")
     return 0
+
+
+# =========================================================================== chapter experiments
+
+def train_preset_briefly(preset, tokenizer, eval_batches: Sequence[dict], prompts: Sequence[str],
+                         mask_prompt: bool, max_micro_steps: int, seed: int,
+                         monitor_dir: str | None = None, progress: bool = True, **setting_changes):
+    """A short step-1 run of a preset, measured on the given (response-only) eval batches and
+    prompts. Returns ``(engine, SFTReport)``; the caller tears the engine down. Used to compare
+    choices at equal steps: prompt masking, or — through ``setting_changes`` such as
+    ``lora_dim=8`` — LoRA variants."""
+    from dschat_lib import data, models, pipeline, runtime, tasks
+
+    runtime.seed_everything(seed)
+    runtime.init_distributed()
+    phase = data.build_phase_data(1, tokenizer, preset.data, data_split=preset.data_split, seed=seed,
+                                  max_seq_len=preset.max_seq_len, mask_prompt=mask_prompt)
+    loader = data.dataloader(phase, preset.micro_batch_size, seed=seed)
+    model = models.create_hf_model(preset.actor_model, tokenizer, seed=seed)
+    settings = pipeline.train_settings(preset, preset.sft_learning_rate, seed=seed,
+                                       monitor_dir=monitor_dir,
+                                       job_name="masked" if mask_prompt else "unmasked",
+                                       **setting_changes)
+    return train_sft(model, tokenizer, loader, eval_batches, settings, max_micro_steps=max_micro_steps,
+                     eval_prompts=prompts, scorer=tasks.score, progress=progress)
