@@ -82,14 +82,25 @@ def execute(src: Path, dst: Path, parameters: dict | None = None, cell_timeout: 
     return dst
 
 
+#: Notebooks that already failed in this process: asking again re-raises at once instead of
+#: spending minutes re-running a notebook known to fail (several tests read each notebook).
+_FAILED: dict[str, BaseException] = {}
+
+
 def executed(name: str) -> Path:
     """The executed copy of ``notebooks/<name>.ipynb``, executing it first if it is stale."""
     src = NOTEBOOK_DIR / (name if name.endswith(".ipynb") else name + ".ipynb")
     if not src.exists():
         raise FileNotFoundError(f"no notebook {src}")
+    if src.name in _FAILED:
+        raise RuntimeError(f"{src.name} already failed in this run") from _FAILED[src.name]
     dst = EXECUTED_DIR / src.name
     if not is_fresh(src, dst):
-        execute(src, dst)
+        try:
+            execute(src, dst)
+        except Exception as error:
+            _FAILED[src.name] = error
+            raise
     return dst
 
 
