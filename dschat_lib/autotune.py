@@ -233,7 +233,8 @@ def run_trial(trial: Trial, build_model: Callable[[], torch.nn.Module],
     """
     import deepspeed
 
-    runtime.init_distributed()
+    with contextlib.redirect_stdout(io.StringIO()):   # DeepSpeed's "op built successfully" lines
+        runtime.init_distributed()
     baseline = live_tensor_bytes()
     model = build_model()
     if trial.gradient_checkpointing:
@@ -241,7 +242,7 @@ def run_trial(trial: Trial, build_model: Callable[[], torch.nn.Module],
     num_params, _largest = parameter_counts(model)
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
-    with contextlib.redirect_stdout(io.StringIO()):   # DeepSpeed's "op built successfully" lines
+    with contextlib.redirect_stdout(io.StringIO()):
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                           config=trial.ds_config(num_params, hidden))
     stream = batches(trial.micro_batch_size)
