@@ -150,7 +150,8 @@ def step2_data(preset, tokenizer, seed: int | None = None, k_wise: bool = False)
 
 def run_step2(preset, sft_path: str | Path, out_dir: str | Path | None, loss: str = "pairwise",
               max_steps: int | None = None, num_train_epochs: int = 1, seed: int | None = None,
-              eval_pairs: int = 256, keep_engine: bool = False, progress: bool = False):
+              eval_pairs: int = 256, learning_rate: float | None = None, keep_engine: bool = False,
+              progress: bool = False):
     """Step 2 for a preset: a reward model initialised from the SFT model (InstructGPT), trained
     with ``loss`` and evaluated on ``eval_pairs`` held-out pairs; saved to ``out_dir`` if given.
     Returns the report, and the engine too when ``keep_engine`` (else it is torn down)."""
@@ -168,7 +169,7 @@ def run_step2(preset, sft_path: str | Path, out_dir: str | Path | None, loss: st
     group = len(train.train.items[0]["sequences"]) // 2 if loss == "k_wise" else 1
     loader = distributed_loader(train.train, train.collator, max(1, preset.micro_batch_size // group), seed)
     model = models.create_reward_model(str(sft_path), tokenizer, seed=seed)
-    settings = train_settings(preset, preset.reward_learning_rate, seed=seed,
+    settings = train_settings(preset, learning_rate or preset.reward_learning_rate, seed=seed,
                               per_device_train_batch_size=max(1, preset.micro_batch_size // group))
     engine, report = reward.train_reward_model(model, loader, eval_batches, settings, loss=loss,
                                                num_train_epochs=num_train_epochs,
@@ -182,16 +183,19 @@ def run_step2(preset, sft_path: str | Path, out_dir: str | Path | None, loss: st
 
 
 def reward_checkpoint(preset, sft_path: str | Path, loss: str = "pairwise", max_steps: int | None = None,
-                      num_train_epochs: int = 1, seed: int | None = None) -> Path:
+                      num_train_epochs: int = 1, seed: int | None = None,
+                      learning_rate: float | None = None) -> Path:
     """The step-2 model of ``preset`` on top of ``sft_path`` (trained once, then reused)."""
     from dschat_lib import artifacts
 
     seed = preset.seed if seed is None else seed
     key = {"preset": dict(vars(preset)), "sft": str(sft_path), "loss": loss, "max_steps": max_steps,
-           "epochs": num_train_epochs, "seed": seed, "data": _data_fingerprint(preset, 2, seed)}
+           "epochs": num_train_epochs, "seed": seed, "lr": learning_rate,
+           "data": _data_fingerprint(preset, 2, seed)}
 
     def build(out):
-        report = run_step2(preset, sft_path, out, loss, max_steps, num_train_epochs, seed)
+        report = run_step2(preset, sft_path, out, loss, max_steps, num_train_epochs, seed,
+                           learning_rate=learning_rate)
         (Path(out) / REPORT_FILE).write_text(json.dumps(
             {"loss": report.loss, "table": report.table(), "history": report.history,
              "before": report.before, "after": report.after}))
@@ -248,6 +252,124 @@ def step3_engines(preset, sft_path: str | Path, rm_path: str | Path, settings, n
                              models.load_reward_model(str(rm_path), tokenizer),
                              models.load_reward_model(str(rm_path), tokenizer),
                              settings, actor_settings, critic_settings, num_iterations)
+
+
+#: What the samples in a step-3 report keep per policy (the rest of evaluate_policy's output).
+EVAL_KEYS = ("reward", "truth", "kl", "response_len", "eos_fraction")
+
+
+def run_step3(preset, sft_path: str | Path, rm_path: str | Path, settings, num_iterations: int,
+              out_dir: str | Path | None = None, eval_prompts: int = 192,
+              actor_learning_rate: float | None = None, critic_learning_rate: float | None = None,
+              progress: bool = False) -> dict:
+    """Step 3 for a preset: PPO from the SFT model against the reward model.
+
+    Samples held-out prompts before and after training (same seed), saves the actor to
+    ``out_dir`` if given, and returns ``{"history", "before", "after", "samples"}``, where
+    ``before``/``after`` hold :data:`EVAL_KEYS` and ``samples`` the texts side by side.
+    """
+    from dschat_lib import models, ppo, tasks
+
+    runtime.seed_everything(settings.seed)
+    runtime.init_distributed()
+    tokenizer = load_tokenizer_for(str(sft_path))
+    prompts, eval_batches = step3_prompts(preset, tokenizer, settings.per_device_generation_batch_size,
+                                          eval_prompts, settings.seed)
+    engines = step3_engines(preset, sft_path, rm_path, settings, num_iterations,
+                            actor_learning_rate, critic_learning_rate)
+    scorer = tasks.score if list(preset.data) == ["shipped"] else None
+    before = ppo.evaluate_policy(engines, tokenizer, eval_batches, settings, scorer,
+                                 seed=settings.seed, policy=engines.ref.module)
+    history = ppo.train_ppo(engines, tokenizer, prompts, settings, num_iterations, scorer=scorer,
+                            progress=progress)
+    after = ppo.evaluate_policy(engines, tokenizer, eval_batches, settings, scorer, seed=settings.seed)
+    if out_dir is not None:
+        models.save_hf_model(engines.actor, str(out_dir), tokenizer)
+    runtime.teardown(engines.actor, engines.ref, engines.critic, engines.reward)
+    samples = [{"prompt": p, "sft": b, "rlhf": a}
+               for p, b, a in zip(before["prompts"], before["responses"], after["responses"])]
+    return {"history": history, "samples": samples,
+            "before": {k: before[k] for k in EVAL_KEYS if k in before},
+            "after": {k: after[k] for k in EVAL_KEYS if k in after}}
+
+
+def rlhf_checkpoint(preset, sft_path: str | Path, rm_path: str | Path, settings, num_iterations: int,
+                    eval_prompts: int = 192, actor_learning_rate: float | None = None,
+                    critic_learning_rate: float | None = None) -> Path:
+    """The step-3 actor (trained once, then reused), with its report (see :func:`run_step3`)."""
+    from dataclasses import asdict
+
+    from dschat_lib import artifacts
+
+    key = {"preset": dict(vars(preset)), "sft": str(sft_path), "reward": str(rm_path),
+           "settings": asdict(settings), "iterations": num_iterations, "eval_prompts": eval_prompts,
+           "actor_lr": actor_learning_rate, "critic_lr": critic_learning_rate,
+           "data": _data_fingerprint(preset, 3, settings.seed)}
+
+    def build(out):
+        report = run_step3(preset, sft_path, rm_path, settings, num_iterations, out, eval_prompts,
+                           actor_learning_rate, critic_learning_rate)
+        (Path(out) / REPORT_FILE).write_text(json.dumps(report))
+
+    return artifacts.cached("rlhf", key, build)
+
+
+def load_policy(preset, name_or_path: str | Path, tokenizer, seed: int | None = None):
+    """A causal LM to compare: a saved checkpoint, or the preset's architecture at its seeded
+    random init (the "base" model step 1 started from)."""
+    from dschat_lib import models
+
+    if str(name_or_path) == preset.actor_model and not Path(str(name_or_path)).exists():
+        return models.create_hf_model(preset.actor_model, tokenizer,
+                                      seed=preset.seed if seed is None else seed)
+    return models.load_hf_model(str(name_or_path), tokenizer)
+
+
+def compare_policies(preset, policies: dict[str, str | Path], sft_path: str | Path, rm_path: str | Path,
+                     settings, eval_prompts: int = 192, ppl_sequences: int = 256) -> list[dict]:
+    """One row per policy: perplexity on held-out step-1 answers, and — on responses sampled to
+    held-out prompts with a fixed seed — the reward-model score, the ground-truth score, the KL
+    to the reference (the SFT model) and the response length."""
+    from dschat_lib import data, evaluation, models, ppo, tasks
+
+    runtime.init_distributed()
+    tokenizer = load_tokenizer_for(str(sft_path))
+    ref = ppo.build_eval_engine(models.load_hf_model(str(sft_path), tokenizer), preset.dtype)
+    scorer_model = ppo.build_eval_engine(models.load_reward_model(str(rm_path), tokenizer), preset.dtype)
+    engines = ppo.Engines(actor=None, ref=ref, critic=None, reward=scorer_model)
+    _, eval_batches = step3_prompts(preset, tokenizer, settings.per_device_generation_batch_size,
+                                    eval_prompts, settings.seed)
+    answers = data.build_phase_data(1, tokenizer, preset.data, data_split=preset.data_split,
+                                    seed=settings.seed, max_seq_len=preset.max_seq_len)
+    items = answers.eval.items[:ppl_sequences]
+    ppl_batches = [answers.collator(items[i:i + 64]) for i in range(0, len(items), 64)]
+    scorer = tasks.score if list(preset.data) == ["shipped"] else None
+    rows = []
+    for name, path in policies.items():
+        # The same precision as the reference, so the SFT model's KL to itself is exactly 0.
+        policy = load_policy(preset, path, tokenizer).to(next(ref.module.parameters()).dtype)
+        result = ppo.evaluate_policy(engines, tokenizer, eval_batches, settings, scorer,
+                                     seed=settings.seed, policy=policy)
+        rows.append({"policy": name, "perplexity": evaluation.perplexity(policy, ppl_batches),
+                     **{k: result[k] for k in EVAL_KEYS if k in result}})
+    runtime.teardown(ref, scorer_model)
+    return rows
+
+
+def chat(model_paths: dict[str, str | Path], preset, question: str, max_new_tokens: int | None = None) -> dict:
+    """Each model's greedy answer to one question (wrapped in the Human/Assistant format)."""
+    from dschat_lib import evaluation, tasks
+
+    tokenizer = None
+    answers = {}
+    for name, path in model_paths.items():
+        tokenizer = tokenizer or (load_tokenizer_for(str(path)) if Path(str(path)).exists()
+                                  else preset_tokenizer(preset))
+        model = load_policy(preset, path, tokenizer)
+        prompt = f"{tasks.HUMAN}{question.strip()}{tasks.ASSISTANT}"
+        answers[name] = evaluation.generate(model, tokenizer, [prompt],
+                                            max_new_tokens=max_new_tokens or preset.max_answer_len)[0]
+    return answers
 
 
 # --------------------------------------------------------------------------- e2e command line

@@ -296,6 +296,21 @@ def sequence_scores(reward_model, sequences: torch.Tensor, attention_mask: torch
                         position_ids=position_ids(attention_mask))["rewards"].float()
 
 
+class ScorerReward:
+    """A reward computed from the decoded prompt and response texts instead of a reward model —
+    e.g. the task's ground-truth scorer, scaled: the *oracle* a learned reward model only
+    approximates. Put it in ``Engines.reward`` to see what PPO does with a perfect reward."""
+
+    def __init__(self, scorer: Callable[[str, str], float], scale: float = 1.0):
+        self.scorer, self.scale = scorer, scale
+
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
+        return torch.tensor([self.scale * self.scorer(p, r) for p, r in zip(prompts, responses)])
+
+    def destroy(self) -> None:
+        pass
+
+
 @torch.no_grad()
 def make_experience(engines: Engines, batch: dict, tokenizer, settings: PPOSettings,
                     with_critic: bool = True) -> dict:
@@ -321,13 +336,16 @@ def make_experience(engines: Engines, batch: dict, tokenizer, settings: PPOSetti
                                       settings.temperature),
         "ref_logprobs": response_logprobs(engines.ref, sequences, attention_mask, prompt_len,
                                           settings.temperature),
-        "scores": sequence_scores(engines.reward, sequences, attention_mask),
         "prompt_len": prompt_len,
         "prompts": list(batch.get("prompt", [])),
         "responses": tokenizer.batch_decode(sequences[:, prompt_len:] * mask
                                             + tokenizer.pad_token_id * (1 - mask),
                                             skip_special_tokens=True),
     }
+    if isinstance(engines.reward, ScorerReward):
+        experience["scores"] = engines.reward(experience["prompts"], experience["responses"]).to(device)
+    else:
+        experience["scores"] = sequence_scores(engines.reward, sequences, attention_mask)
     if with_critic and engines.critic is not None:
         experience["values"] = response_values(engines.critic, sequences, attention_mask, prompt_len)
     for engine in (engines.actor, engines.critic):

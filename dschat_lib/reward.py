@@ -159,6 +159,34 @@ def ranking_agreement(model, tokenizer, k_wise_rows: Sequence[dict], batch_size:
             "scores": scores, "truth": truth}
 
 
+def sampled_agreement(model, policy, tokenizer, prompts: Sequence[str], scorer: Callable[[str, str], float],
+                      samples_per_prompt: int = 4, max_new_tokens: int = 16, seed: int = 0) -> dict:
+    """Agreement with the ground truth on the *policy's own* responses — what step 3 will feed
+    the reward model — rather than on the dataset's pairs.
+
+    Samples ``samples_per_prompt`` responses per prompt from ``policy`` (temperature 1), scores
+    them with the reward model and with ``scorer``, and returns ``within_prompt_agreement``: the
+    share of same-prompt pairs with different true scores that the reward model orders like the
+    truth (0.5 is a coin flip). Only this within-prompt order can guide PPO: a reward that
+    differs between *prompts* says nothing about which answer to a prompt is better.
+    """
+    from dschat_lib import evaluation
+
+    repeated = [p for p in prompts for _ in range(samples_per_prompt)]
+    responses = evaluation.generate(policy, tokenizer, repeated, max_new_tokens=max_new_tokens,
+                                    do_sample=True, seed=seed)
+    truth = [scorer(p, r) for p, r in zip(repeated, responses)]
+    scores = score_responses(model, tokenizer, repeated, responses)
+    agree = total = 0
+    for start in range(0, len(repeated), samples_per_prompt):
+        for i, j in itertools.combinations(range(start, start + samples_per_prompt), 2):
+            if truth[i] != truth[j]:
+                total += 1
+                agree += (scores[i] - scores[j]) * (truth[i] - truth[j]) > 0
+    return {"within_prompt_agreement": agree / max(total, 1), "pairs": total,
+            "spearman": spearman(scores, truth), "mean_truth": sum(truth) / len(truth)}
+
+
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     """Spearman rank correlation (average ranks for ties), without scipy."""
     def ranks(values):

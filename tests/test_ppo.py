@@ -165,3 +165,20 @@ def test_evaluating_the_reference_as_policy_gives_zero_kl(tiny_engines):
     again = ppo.evaluate_policy(engines, tok, [batch], settings, tasks.score, seed=3,
                                 policy=engines.ref.module)
     assert again["responses"] == result["responses"]      # a fixed seed gives the same samples
+
+
+def test_an_update_makes_positive_advantage_tokens_more_likely(tiny_engines):
+    """The sign convention end to end: after PPO updates on hand-set advantages, tokens with
+    A > 0 gained probability and tokens with A < 0 lost it."""
+    engines, tok, settings, batch = tiny_engines
+    exp = ppo.make_experience(engines, batch, tok, settings)
+    sign = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0])[:, None]
+    exp = {**exp, "advantages": sign * exp["mask"], "returns": exp["values"]}
+    for _ in range(3):
+        ppo.ppo_update(engines, exp, settings)
+    with torch.no_grad():
+        engines.actor.eval()
+        new = ppo.response_logprobs(engines.actor, exp["sequences"], exp["attention_mask"], exp["prompt_len"])
+        engines.actor.train()
+    change = ((new - exp["logprobs"]) * exp["mask"]).sum(1) / exp["mask"].sum(1)
+    assert (change[sign[:, 0] > 0] > 0).all() and (change[sign[:, 0] < 0] < 0).all(), change
