@@ -1,8 +1,8 @@
 """Steps 2 and 3 from the command line, on 2 CPU ranks under the DeepSpeed launcher, with tiny
 sizes; then their outputs are reloaded the way the next step (or a user) loads them.
 
-The launcher runs ``python -m dschat_lib.reward`` / ``dschat_lib.ppo`` — the modules behind
-``python -m dschat_lib step2`` / ``step3`` — with its ``--local_rank=N`` argument appended."""
+The launcher runs ``python -m dschat_lib step2`` / ``step3`` on each rank, with its own
+``--local_rank=N`` argument added."""
 
 import json
 
@@ -40,8 +40,8 @@ def test_help_names_deepspeed_chat_flags(capsys):
 
 def test_step2_on_two_ranks(workdir):
     out = workdir / "reward"
-    results = runtime.launch("dschat_lib.reward", [
-        "--model_name_or_path", str(workdir / "actor-sft"), "--output_dir", str(out),
+    results = runtime.launch("dschat_lib", [
+        "step2", "--model_name_or_path", str(workdir / "actor-sft"), "--output_dir", str(out),
         "--per_device_train_batch_size", "8", "--max_steps", "6", "--max_eval_pairs", "32",
         "--dtype", "fp32", "--learning_rate", "1e-3", "--disable_progress"], num_ranks=2, timeout=600)
     assert [r["rank"] for r in results] == [0, 1]
@@ -60,8 +60,8 @@ def test_step3_on_two_ranks(workdir):
     if not (workdir / "reward" / "reward_model.json").exists():
         pytest.skip("needs the step-2 output of test_step2_on_two_ranks")
     out = workdir / "rlhf"
-    results = runtime.launch("dschat_lib.ppo", [
-        "--actor_model_name_or_path", str(workdir / "actor-sft"),
+    results = runtime.launch("dschat_lib", [
+        "step3", "--actor_model_name_or_path", str(workdir / "actor-sft"),
         "--critic_model_name_or_path", str(workdir / "reward"), "--output_dir", str(out),
         "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4",
         "--max_iterations", "2", "--max_answer_seq_len", "8", "--per_device_eval_prompts", "8",
@@ -76,3 +76,23 @@ def test_step3_on_two_ranks(workdir):
     assert any(not torch.equal(a, b) for a, b in zip(actor.parameters(), start.parameters()))
     models.load_reward_model(str(out / "critic"), tok)
     models.load_hf_model(str(out / "actor_ema"), tok)
+
+
+def test_e2e_chains_the_three_steps(tmp_path):
+    """``python -m dschat_lib e2e`` in-process with minimal sizes: each step reads the previous
+    step's saved output, and the final actor differs from the step-1 actor."""
+    from dschat_lib import cli
+
+    code = cli.main(["e2e", "--output_dir", str(tmp_path), "--dtype", "fp32",
+                     "--step1_args", "--max_steps 3 --num_eval_prompts 4 --per_device_train_batch_size 8",
+                     "--step2_args", "--max_steps 3 --max_eval_pairs 16 --per_device_train_batch_size 8",
+                     "--step3_args", "--max_iterations 1 --per_device_generation_batch_size 4 "
+                                     "--per_device_training_batch_size 4 --per_device_eval_prompts 4"])
+    assert code == 0
+    reports = [json.loads((tmp_path / d / "report.json").read_text())
+               for d in ("actor-sft", "reward", "rlhf")]
+    assert [r["step"] for r in reports] == [1, 2, 3]
+    tok = tokenizer.load_tokenizer(str(tmp_path / "actor-sft"))
+    sft = models.load_hf_model(str(tmp_path / "actor-sft"), tok)
+    rlhf = models.load_hf_model(str(tmp_path / "rlhf" / "actor"), tok)
+    assert any(not torch.equal(a, b) for a, b in zip(sft.parameters(), rlhf.parameters()))
