@@ -182,3 +182,29 @@ def test_an_update_makes_positive_advantage_tokens_more_likely(tiny_engines):
         engines.actor.train()
     change = ((new - exp["logprobs"]) * exp["mask"]).sum(1) / exp["mask"].sum(1)
     assert (change[sign[:, 0] > 0] > 0).all() and (change[sign[:, 0] < 0] < 0).all(), change
+
+
+def test_lora_actor_trains_and_saves_merged(tmp_path):
+    """Actor and critic with LoRA (only the adapters train); the saved actor is a plain HF model
+    with the adapters folded in."""
+    runtime.init_distributed()
+    tok = tokenizer.load_tokenizer()
+    lm = lambda: models.create_hf_model("cpu-tiny", tok, seed=0, num_hidden_layers=1)  # noqa: E731
+    rm = lambda: models.create_reward_model("cpu-tiny", tok, seed=1, num_hidden_layers=1)  # noqa: E731
+    settings = ppo.PPOSettings(per_device_generation_batch_size=4, per_device_training_batch_size=4,
+                               max_answer_seq_len=6)
+    train = TrainSettings(per_device_train_batch_size=4, learning_rate=1e-2, dtype="fp32",
+                          lr_scheduler_type="constant").with_(lora_dim=4)
+    engines = ppo.build_engines(lm(), lm(), rm(), rm(), settings, train, train, num_iterations=1)
+    try:
+        rows = data.load_shipped("eval")[:4]
+        batch = data.PromptCollator(tok.pad_token_id, 32)(
+            [{"prompt_ids": data.encode_prompt(tok, r["prompt"]), "prompt": r["prompt"]} for r in rows])
+        ppo.train_ppo(engines, tok, [batch], settings, num_iterations=1, progress=False)
+        ppo.save_models(engines, str(tmp_path), tok, train, train)
+    finally:
+        runtime.teardown(engines.actor, engines.ref, engines.critic, engines.reward)
+    saved = models.load_hf_model(str(tmp_path / "actor"), tok)
+    assert not any("lora" in name for name, _ in saved.named_parameters())
+    start = lm()
+    assert any(not torch.allclose(a, b) for a, b in zip(saved.parameters(), start.parameters()))
