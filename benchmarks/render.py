@@ -65,9 +65,13 @@ def _baseline_rows(result: dict) -> list[list[str]]:
         rows.append(["generation: plain module vs ZeRO-3 engine", "failed", "", ""])
     else:
         z3 = gen["zero3"]["new_tokens_per_s"]
-        rows.append(["generation: plain module vs ZeRO-3 engine (new tokens/s)",
+        rows.append(["generation: plain module, built before any engine, vs ZeRO-3 engine (new tokens/s)",
                      f"{gen['plain']['new_tokens_per_s']:,.0f} vs {z3:,.0f}",
                      f"{gen['speedup_plain_over_zero3']:.1f}×", f"≥ {targets['generation_speedup_min']:.0f}×"])
+        if "plain_after" in gen:
+            rows.append(["generation: plain module, built after the engine, vs ZeRO-3 engine",
+                         f"{gen['plain_after']['new_tokens_per_s']:,.0f} vs {z3:,.0f}",
+                         f"{gen['speedup_plain_after_over_zero3']:.1f}×", f"≥ {targets['generation_speedup_min']:.0f}×"])
         rows.append(["generation: copy gathered from the ZeRO-3 engine vs the engine",
                      f"{gen['gathered']['new_tokens_per_s']:,.0f} vs {z3:,.0f} (gather {gen['gather_s']:.2f} s)",
                      f"{gen['speedup_gathered_over_zero3']:.1f}×", f"≥ {targets['generation_speedup_min']:.0f}×"])
@@ -93,6 +97,14 @@ def _suite_section(title: str, result: dict) -> list[str]:
                    "peak memory (MiB)"], _sft_rows(result)), "",
            "### Baselines and targets", "",
            _table(["comparison", "measured", "ratio", "target"], _baseline_rows(result)), ""]
+    gen = result.get("generation", {})
+    if "plain_after" in gen:
+        ratio = gen["plain_after"]["new_tokens_per_s"] / gen["plain"]["new_tokens_per_s"]
+        out += [f"The same plain module generated {ratio:.1f}× as fast when built after DeepSpeed's set-up "
+                "in the same process as before it (same torch thread count, "
+                f"{gen.get('torch_threads')}); the cause is not yet pinned down, so both measurements are "
+                "shown rather than one chosen. Rollouts in PPO come from the process that holds the "
+                "training engine, which is the gathered-copy row.", ""]
     rlhf = result.get("rlhf_steps", {})
     if rlhf:
         out += ["### Reward-model and PPO steps", ""]

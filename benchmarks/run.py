@@ -67,8 +67,10 @@ def generation(case: dict) -> dict:
     run = benchmark.zero3_generation(case)
     plain, zero3 = run["plain"], run
     return {"case": case, "zero3": zero3["zero3"], "gathered": zero3["gathered"],
-            "gather_s": zero3["gather_s"], "plain": plain,
+            "gather_s": zero3["gather_s"], "plain": plain, "plain_after": run["plain_after"],
+            "torch_threads": run.get("torch_threads"),
             "speedup_plain_over_zero3": plain["new_tokens_per_s"] / zero3["zero3"]["new_tokens_per_s"],
+            "speedup_plain_after_over_zero3": run["plain_after"]["new_tokens_per_s"] / zero3["zero3"]["new_tokens_per_s"],
             "speedup_gathered_over_zero3": zero3["gathered"]["new_tokens_per_s"] / zero3["zero3"]["new_tokens_per_s"]}
 
 

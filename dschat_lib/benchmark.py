@@ -273,7 +273,7 @@ def generation_case_args(case: dict) -> list[str]:
 
 def _zero3_generation_main() -> None:
     """``python -m dschat_lib.benchmark --arch ... `` on one or more ranks: generate from a
-    ZeRO-3 engine, then from a full copy gathered out of it; write both speeds."""
+    plain module, from a ZeRO-3 engine, then from a full copy gathered out of the engine."""
     import argparse
 
     import deepspeed
@@ -285,14 +285,22 @@ def _zero3_generation_main() -> None:
         parser.add_argument(f"--{name}", type=int, required=True)
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
+    spec = dict(vocab_size=args.vocab_size, batch_size=args.batch_size, prompt_len=args.prompt_len,
+                new_tokens=args.new_tokens)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    # The process group first: under the launcher, DeepSpeed's initialisation can change the
+    # number of CPU threads torch uses, and all three measurements must share one setting.
     runtime.init_distributed()
+    # The plain module next, in this same process and before any ZeRO-3 engine exists, so
+    # the three speeds are taken close together under the same machine load.
+    plain_model = models.build_causal_lm(args.arch, vocab_size=args.vocab_size, seed=0, dtype=dtype)
+    plain = generation_speed(plain_model.to(runtime.device()), **spec)
+    del plain_model
     model = models.build_causal_lm(args.arch, vocab_size=args.vocab_size, seed=0)
     cfg = config.ds_config(stage=3, micro_batch_size=args.batch_size, dtype=args.dtype,
                            optimizer=config.adamw(1e-4))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     world = deepspeed.comm.get_world_size()
-    spec = dict(vocab_size=args.vocab_size, batch_size=args.batch_size, prompt_len=args.prompt_len,
-                new_tokens=args.new_tokens)
     # With more than one rank every rank must keep stepping until all have finished, or the
     # parameter gathers of the others hang: that is what synced_gpus does.
     zero3 = generation_speed(engine.module, **spec, synced_gpus=world > 1)
@@ -304,30 +312,24 @@ def _zero3_generation_main() -> None:
     gather_s = time.perf_counter() - started
     gathered.to(engine.device)
     gathered_speed = generation_speed(gathered, **spec)
-    runtime.write_rank_result({"zero3": zero3, "gathered": gathered_speed, "gather_s": gather_s,
-                               "world_size": world})
+    # A plain module again, now built after the engine: on a machine shared with other work
+    # the same module measured before and after DeepSpeed's set-up can differ widely (seen
+    # here: >10x), so both are recorded rather than one chosen.
+    plain_after = generation_speed(models.build_causal_lm(args.arch, vocab_size=args.vocab_size, seed=0,
+                                                          dtype=dtype).to(runtime.device()), **spec)
+    runtime.write_rank_result({"plain": plain, "plain_after": plain_after, "zero3": zero3, "gathered": gathered_speed,
+                               "gather_s": gather_s, "world_size": world,
+                               "torch_threads": torch.get_num_threads()})
     runtime.teardown(engine)
 
 
 def zero3_generation(case: dict, num_ranks: int = 1, timeout: float = 600) -> dict:
     """Run :func:`_zero3_generation_main` in its own process (a ZeRO-3 engine slows later work
-    in the process that built it) and return rank 0's result."""
+    in the process that built it) and return rank 0's result: the speeds of a plain module,
+    of the ZeRO-3 engine's module, and of a copy gathered out of the engine."""
     args = generation_case_args({k: case[k] for k in ("arch", "dtype", "vocab_size", "batch_size",
                                                         "prompt_len", "new_tokens")})
     return runtime.launch("dschat_lib.benchmark", args, num_ranks=num_ranks, timeout=timeout)[0]
-
-
-def plain_generation(case: dict) -> dict:
-    """Generation speed of a plain (never DeepSpeed-wrapped) module in ``case['dtype']``."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[case["dtype"]]
-    model = models.build_causal_lm(case["arch"], vocab_size=case["vocab_size"], seed=0, dtype=dtype)
-    model.to(runtime.device())
-    try:
-        return generation_speed(model, case["vocab_size"], case["batch_size"], case["prompt_len"],
-                                case["new_tokens"])
-    finally:
-        del model
-        gc.collect()
 
 
 def write_json(payload: dict, path) -> None:
