@@ -14,6 +14,8 @@ from typing import Iterable, Iterator
 import torch
 from tqdm.auto import tqdm
 
+from dschat_lib.precision import current_loss_scale
+
 
 def counting_batches(vocab_size: int, micro_batch_size: int, seq_len: int, seed: int = 0,
                      stride_choices: tuple[int, ...] = (1, 2, 3)) -> Iterator[dict[str, torch.Tensor]]:
@@ -53,7 +55,7 @@ def run_steps(engine, batches: Iterable[dict[str, torch.Tensor]], num_steps: int
         row = {"step": step, "loss": loss.item(), "lr": engine.get_lr()[0],
                "seconds": time.perf_counter() - started, "tokens": int(batch["input_ids"].numel())}
         if engine.fp16_enabled():
-            row["loss_scale"] = float(engine.optimizer.cur_scale)
+            row["loss_scale"] = current_loss_scale(engine.optimizer)
             row["skipped"] = int(engine.skipped_steps)
         history.append(row)
     return history
