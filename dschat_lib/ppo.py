@@ -549,7 +549,7 @@ def evaluate_policy(engines: Engines, tokenizer, prompt_batches: Sequence[dict],
     torch.manual_seed(seed)
     original = engines.actor
     if policy is not None:
-        engines.actor = _ModuleAsEngine(policy, original.device)
+        engines.actor = _ModuleAsEngine(policy, (original or engines.ref).device)
     try:
         parts = [make_experience(engines, batch, tokenizer, settings, with_critic=False)
                  for batch in prompt_batches]
