@@ -39,7 +39,9 @@ def test_ppo_chapter(glue):
     # ... with a KL to the reference that stays bounded (nats per response).
     assert 0 < values["ppo_kl_final"] < PPO_MAX_KL
     assert all(0 < kl < PPO_MAX_KL for kl in values["ppo_seed_kls"])
-    assert values["ppo_approx_kl_max"] < 0.1          # the prose: small, careful steps
+    # The prose: small, careful steps, and a critic that learns.
+    assert values["ppo_approx_kl_max"] < 0.1 and values["ppo_clipfrac_mean"] < 0.05
+    assert values["ppo_explained_var_last"] > values["ppo_explained_var_first"]
     assert "image/png" in values["ppo_history_plot"]
     for key in ("ppo_truth_sft", "ppo_truth_rlhf"):
         assert 0 <= values[key] <= 1

@@ -65,9 +65,13 @@ def test_step3_on_two_ranks(workdir):
         "--critic_model_name_or_path", str(workdir / "reward"), "--output_dir", str(out),
         "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4",
         "--max_iterations", "2", "--max_answer_seq_len", "8", "--per_device_eval_prompts", "8",
-        "--enable_ema", "--dtype", "fp32", "--disable_progress"], num_ranks=2, timeout=600)
+        "--enable_ema", "--unsup_coef", "0.1", "--kl_ctl", "adaptive", "--init_kl_coef", "0.05",
+        "--dtype", "fp32", "--disable_progress"], num_ranks=2, timeout=600)
     assert [r["world_size"] for r in results] == [2, 2]
-    assert len(results[0]["history"]) == 2
+    history = results[0]["history"]
+    assert len(history) == 2
+    assert all("ptx_loss" in row for row in history)          # PPO-ptx mixed in
+    assert history[0]["kl_coef"] == pytest.approx(0.05)        # adaptive β starts at init_kl_coef
     # Metrics are averaged over ranks, so both ranks log the same numbers.
     assert results[0]["history"][-1]["reward"] == pytest.approx(results[1]["history"][-1]["reward"])
     tok = tokenizer.load_tokenizer(str(out / "actor"))
