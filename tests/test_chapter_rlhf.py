@@ -18,10 +18,17 @@ def test_reward_model_chapter(glue):
     assert values["rm_margin_after"] > 0
     # The prose says the model orders ground-truth pairs better than a coin would.
     assert values["rm_pair_agreement"] > 0.5 and values["rm_spearman"] > 0
+    # rw_eval, as the prose reads it: format and length errors cost a lot, a wrong order little.
+    assert values["rw_commas_score"] < values["rw_correct_score"] - 1
+    assert values["rw_missing_score"] < values["rw_correct_score"] - 1
+    assert abs(values["rw_wrong_order_score"] - values["rw_correct_score"]) < 1
+    # On the policy's own samples the reward model is much weaker than on the dataset's pairs.
+    assert values["rm_policy_agreement"] < values["rm_pair_agreement"]
     for key in ("rm_training_plot", "rm_score_distributions", "rm_agreement_plot"):
         assert "image/png" in values[key]
-    for key in ("rm_kwise_acc_after", "rm_kwise_pair_agreement", "rm_kwise_spearman"):
-        assert 0 <= values[key] <= 1 or key == "rm_kwise_spearman"
+    # "At equal sequences and steps the two objectives end up close."
+    assert abs(values["rm_kwise_acc_after"] - values["rm_acc_after"]) < 0.1
+    assert abs(values["rm_kwise_pair_agreement"] - values["rm_pair_agreement"]) < 0.1
 
 
 #: PPO's margins, asserted for every seed the PPO notebook runs (3 by default).
@@ -43,8 +50,10 @@ def test_ppo_chapter(glue):
     assert values["ppo_approx_kl_max"] < 0.1 and values["ppo_clipfrac_mean"] < 0.05
     assert values["ppo_explained_var_last"] > values["ppo_explained_var_first"]
     assert "image/png" in values["ppo_history_plot"]
-    for key in ("ppo_truth_sft", "ppo_truth_rlhf"):
-        assert 0 <= values[key] <= 1
+    # The prose: the ground truth did not follow; it fell in every seed. (The goal —
+    # truth rising too — is not met at this scale; see the chapter for the measured reason.)
+    assert values["ppo_seed_truth_changes"][0] == pytest.approx(values["ppo_truth_rlhf"] - values["ppo_truth_sft"], abs=1e-3)
+    assert values["ppo_seed_truth_change_max"] < 0
 
 
 @pytest.mark.notebook
