@@ -26,17 +26,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from dschat_lib import ppo_math as pm
-from dschat_lib.engine import TrainSettings, build_ds_config, log_metrics
+from dschat_lib.engine import TrainSettings, build_train_engine, log_metrics
 
 # --------------------------------------------------------------------------- settings
 
@@ -211,17 +210,11 @@ def build_engines(actor_model, ref_model, critic_model, reward_model, settings: 
     actor = build_actor_engine(actor_model, actor_settings, steps,
                                settings.max_answer_seq_len if settings.enable_hybrid_engine else None,
                                world_size)
-    critic = build_train_engine_for_critic(critic_model, critic_settings, steps, world_size)
+    critic = build_train_engine(critic_model, critic_settings, steps, world_size)
     ref_stage = 3 if (actor_settings.zero_stage == 3 or offload_reference_model) else 0
     ref = build_eval_engine(ref_model, actor_settings.dtype, ref_stage, offload_reference_model)
     reward = build_eval_engine(reward_model, critic_settings.dtype, critic_settings.zero_stage)
     return Engines(actor, ref, critic, reward, ema, actor_settings.zero_stage)
-
-
-def build_train_engine_for_critic(model, settings: TrainSettings, steps: int, world_size=None):
-    from dschat_lib.engine import build_train_engine
-
-    return build_train_engine(model, settings, steps, world_size)
 
 
 # --------------------------------------------------------------------------- experience

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
