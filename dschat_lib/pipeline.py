@@ -29,6 +29,19 @@ REPORT_FILE = "report.json"
 
 # --------------------------------------------------------------------------- shared CLI pieces
 
+def init_distributed() -> None:
+    """:func:`dschat_lib.runtime.init_distributed`, choosing a new free port for every fresh
+    single-rank process group. A notebook tears its group down between steps; the port the
+    first group used may be taken by another process by the time the next one starts (measured:
+    ``EADDRINUSE`` on a busy machine). Under a launcher with several ranks the port is the
+    launcher's and is left alone."""
+    import deepspeed
+
+    if not deepspeed.comm.is_initialized() and os.environ.get("WORLD_SIZE", "1") == "1":
+        os.environ["MASTER_PORT"] = str(runtime.free_port())
+    runtime.init_distributed()
+
+
 def load_tokenizer_for(model_path: str, tokenizer_path: str | None = None):
     """The tokenizer a step should use: the explicit one, else the one saved beside the model
     (steps save it with their checkpoint), else the shipped tokenizer."""
@@ -107,7 +120,7 @@ def run_step1(preset, out_dir: str | Path, num_train_epochs: int = 1, max_steps:
 
     seed = preset.seed if seed is None else seed
     runtime.seed_everything(seed)
-    runtime.init_distributed()
+    init_distributed()
     tokenizer = preset_tokenizer(preset)
     phase = data.build_phase_data(1, tokenizer, preset.data, data_split=preset.data_split, seed=seed,
                                   max_seq_len=preset.max_seq_len)
@@ -159,7 +172,7 @@ def run_step2(preset, sft_path: str | Path, out_dir: str | Path | None, loss: st
 
     seed = preset.seed if seed is None else seed
     runtime.seed_everything(seed)
-    runtime.init_distributed()
+    init_distributed()
     tokenizer = preset_tokenizer(preset)
     pairs = step2_data(preset, tokenizer, seed)
     train = step2_data(preset, tokenizer, seed, k_wise=loss == "k_wise")
@@ -239,7 +252,7 @@ def step3_engines(preset, sft_path: str | Path, rm_path: str | Path, settings, n
     from ``rm_path``, with the preset's (or the given) learning rates."""
     from dschat_lib import models, ppo
 
-    runtime.init_distributed()
+    init_distributed()
     tokenizer = load_tokenizer_for(str(sft_path))
     actor_settings = train_settings(preset, actor_learning_rate or preset.actor_learning_rate,
                                     per_device_train_batch_size=settings.per_device_training_batch_size,
@@ -271,7 +284,7 @@ def run_step3(preset, sft_path: str | Path, rm_path: str | Path, settings, num_i
     from dschat_lib import models, ppo, tasks
 
     runtime.seed_everything(settings.seed)
-    runtime.init_distributed()
+    init_distributed()
     tokenizer = load_tokenizer_for(str(sft_path))
     prompts, eval_batches = step3_prompts(preset, tokenizer, settings.per_device_generation_batch_size,
                                           eval_prompts, settings.seed)
@@ -332,7 +345,7 @@ def compare_policies(preset, policies: dict[str, str | Path], sft_path: str | Pa
     to the reference (the SFT model) and the response length."""
     from dschat_lib import data, evaluation, models, ppo, tasks
 
-    runtime.init_distributed()
+    init_distributed()
     tokenizer = load_tokenizer_for(str(sft_path))
     ref = ppo.build_eval_engine(models.load_hf_model(str(sft_path), tokenizer), preset.dtype)
     scorer_model = ppo.build_eval_engine(models.load_reward_model(str(rm_path), tokenizer), preset.dtype)
