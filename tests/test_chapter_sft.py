@@ -5,6 +5,8 @@ import pytest
 from dschat_lib import data, models, pipeline, presets, sft, tasks
 
 SEEDS = (1234, 1, 2)
+#: Epochs of the chapter's step-1 run (the notebook's default parameter).
+SFT_EPOCHS = 4
 #: "Falls by a large factor": a trained model must be at least 10x less perplexed than the
 #: random base (which sits near the vocabulary size).
 MIN_PPL_FACTOR = 10.0
@@ -21,6 +23,7 @@ def test_sft_chapter_claims(glue):
     assert g["sft_ppl_before"] > 0.5 * g["sft_vocab_size"]   # a random model is near uniform
     assert g["sft_reload_identical_fraction"] == 1.0
     assert g["sft_monitor_rows"] > 0
+    assert g["sft_epochs"] == SFT_EPOCHS
     for key in ("sft_mask_truth", "sft_nomask_truth", "sft_mask_ppl", "sft_nomask_ppl"):
         assert g[key] > 0
     assert "image/png" in g["sft_loss_plot"]
@@ -50,7 +53,7 @@ def test_sft_learns_over_seeds(seed):
     prompts = [row["prompt"] for row in phase.eval_rows[:64]]
     base = sft.evaluate_policy(models.create_hf_model(preset.actor_model, tokenizer, seed=seed),
                                tokenizer, eval_batches, prompts, tasks.score)
-    path = pipeline.sft_checkpoint(preset, num_train_epochs=1, seed=seed)
+    path = pipeline.sft_checkpoint(preset, num_train_epochs=SFT_EPOCHS, seed=seed)
     tuned = sft.evaluate_policy(models.load_hf_model(str(path), tokenizer), tokenizer, eval_batches,
                                 prompts, tasks.score)
     print(f"seed {seed}: ppl {base['ppl']:.1f} -> {tuned['ppl']:.2f}, truth {base['truth']:.3f} -> {tuned['truth']:.3f}")
