@@ -21,7 +21,7 @@ def test_reward_model_chapter(glue):
     # rw_eval, as the prose reads it: format and length errors cost a lot, a wrong order little.
     assert values["rw_commas_score"] < values["rw_correct_score"] - 1
     assert values["rw_missing_score"] < values["rw_correct_score"] - 1
-    assert abs(values["rw_wrong_order_score"] - values["rw_correct_score"]) < 1
+    assert values["rw_wrong_order_score"] > values["rw_correct_score"] - 0.5
     # On the policy's own samples the reward model is much weaker than on the dataset's pairs.
     assert values["rm_policy_agreement"] < values["rm_pair_agreement"]
     for key in ("rm_training_plot", "rm_score_distributions", "rm_agreement_plot"):
