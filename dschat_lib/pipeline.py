@@ -30,15 +30,7 @@ REPORT_FILE = "report.json"
 # --------------------------------------------------------------------------- shared CLI pieces
 
 def init_distributed() -> None:
-    """:func:`dschat_lib.runtime.init_distributed`, choosing a new free port for every fresh
-    single-rank process group. A notebook tears its group down between steps; the port the
-    first group used may be taken by another process by the time the next one starts (measured:
-    ``EADDRINUSE`` on a busy machine). Under a launcher with several ranks the port is the
-    launcher's and is left alone."""
-    import deepspeed
-
-    if not deepspeed.comm.is_initialized() and os.environ.get("WORLD_SIZE", "1") == "1":
-        os.environ["MASTER_PORT"] = str(runtime.free_port())
+    """:func:`dschat_lib.runtime.init_distributed` (kept here for the step modules that call it)."""
     runtime.init_distributed()
 
 

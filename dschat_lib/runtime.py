@@ -49,9 +49,13 @@ def init_distributed() -> None:
     import deepspeed
 
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR=LOOPBACK,
-                          MASTER_PORT=str(free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR=LOOPBACK)
     if not deepspeed.comm.is_initialized():
+        if os.environ.get("WORLD_SIZE", "1") == "1":
+            # A world of one hosts its own rendezvous: take a port that is free *now*. The one
+            # a torn-down group used may have been taken since (EADDRINUSE on a busy machine).
+            # With several ranks the port is the launcher's and must be left alone.
+            os.environ["MASTER_PORT"] = str(free_port())
         deepspeed.init_distributed(verbose=False)
 
 
