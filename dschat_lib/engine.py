@@ -182,16 +182,21 @@ def add_train_arguments(parser, prefix: str = "", defaults: TrainSettings | None
                         help="set by the deepspeed launcher; the LOCAL_RANK variable is used instead")
 
 
-def settings_from_args(args, prefix: str = "", job_name: str = "dschat") -> TrainSettings:
-    """The :class:`TrainSettings` that parsed arguments describe (see :func:`add_train_arguments`)."""
+def settings_from_args(args, prefix: str = "", job_name: str = "dschat",
+                       micro_batch_size: int | None = None, monitor: bool = True) -> TrainSettings:
+    """The :class:`TrainSettings` that parsed arguments describe (see :func:`add_train_arguments`).
+
+    ``micro_batch_size`` overrides ``--per_device_train_batch_size`` (step 3 names its own);
+    ``monitor=False`` keeps this model out of the TensorBoard/CSV logs.
+    """
     def get(name):
         return getattr(args, prefix + name)
 
     monitor_dir = None
-    if args.enable_tensorboard:
+    if args.enable_tensorboard and monitor:
         monitor_dir = args.tensorboard_path or f"{args.output_dir}/logs"
     return TrainSettings(
-        per_device_train_batch_size=args.per_device_train_batch_size,
+        per_device_train_batch_size=micro_batch_size or args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         learning_rate=get("learning_rate"), weight_decay=get("weight_decay"),
         lr_scheduler_type=args.lr_scheduler_type, num_warmup_steps=args.num_warmup_steps,

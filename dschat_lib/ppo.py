@@ -656,25 +656,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(args) -> tuple[PPOSettings, TrainSettings, TrainSettings]:
     """The PPO settings and the actor's and critic's engine settings that ``args`` describe."""
-    from dschat_lib import lora as lora_lib
+    from dschat_lib.engine import settings_from_args as engine_settings_from_args
 
     ppo_fields = {f for f in PPOSettings.__dataclass_fields__}
     settings = PPOSettings(**{k: v for k, v in vars(args).items() if k in ppo_fields})
 
     def model_settings(role: str) -> TrainSettings:
-        get = lambda name: getattr(args, f"{role}_{name}")  # noqa: E731
-        monitor = (args.tensorboard_path or f"{args.output_dir}/logs") if args.enable_tensorboard else None
-        return TrainSettings(
-            per_device_train_batch_size=args.per_device_training_batch_size,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            learning_rate=get("learning_rate"), weight_decay=get("weight_decay"),
-            lr_scheduler_type=args.lr_scheduler_type, num_warmup_steps=args.num_warmup_steps,
-            zero_stage=get("zero_stage"), offload=args.offload, dtype=args.dtype,
-            gradient_clipping=args.gradient_clipping, gradient_checkpointing=get("gradient_checkpointing"),
-            lora=lora_lib.LoraSettings(dim=get("lora_dim"), module_name=get("lora_module_name"),
-                                       only_optimize_lora=args.only_optimize_lora,
-                                       learning_rate=get("lora_learning_rate")),
-            monitor_dir=monitor if role == "actor" else None, job_name=f"step3_{role}", seed=args.seed)
+        return engine_settings_from_args(args, prefix=f"{role}_", job_name=f"step3_{role}",
+                                         micro_batch_size=args.per_device_training_batch_size,
+                                         monitor=role == "actor")
 
     return settings, model_settings("actor"), model_settings("critic")
 
