@@ -237,6 +237,17 @@ def step3_prompts(preset, tokenizer, batch_size: int, eval_prompts: int, seed: i
     return loader, [phase.collator(items[i:i + batch_size]) for i in range(0, len(items), batch_size)]
 
 
+def step3_ptx_loader(preset, tokenizer, batch_size: int, seed: int | None = None):
+    """Step-1 batches for PPO-ptx (``PPOSettings.unsup_coef`` > 0): the language-modeling loss
+    mixed into the actor's update so that chasing the reward does not unlearn the task."""
+    from dschat_lib import data
+
+    seed = preset.seed if seed is None else seed
+    phase = data.build_phase_data(1, tokenizer, preset.data, data_split=preset.data_split, seed=seed,
+                                  max_seq_len=preset.max_seq_len)
+    return distributed_loader(phase.train, phase.collator, batch_size, seed)
+
+
 def step3_engines(preset, sft_path: str | Path, rm_path: str | Path, settings, num_iterations: int,
                   actor_learning_rate: float | None = None, critic_learning_rate: float | None = None,
                   actor_changes: dict | None = None, critic_changes: dict | None = None):
@@ -260,7 +271,17 @@ def step3_engines(preset, sft_path: str | Path, rm_path: str | Path, settings, n
 
 
 #: What the samples in a step-3 report keep per policy (the rest of evaluate_policy's output).
-EVAL_KEYS = ("reward", "truth", "kl", "response_len", "eos_fraction")
+EVAL_KEYS = ("reward", "truth", "well_formed", "kl", "response_len", "eos_fraction")
+
+
+def add_format_share(result: dict, scorer) -> dict:
+    """On the shipped task, add ``well_formed``: the share of sampled responses that are a bare
+    number list (the format the task asks for; chatty answers are not)."""
+    from dschat_lib import tasks
+
+    if scorer is tasks.score:
+        result["well_formed"] = tasks.well_formed_fraction(result["responses"])
+    return result
 
 
 def run_step3(preset, sft_path: str | Path, rm_path: str | Path, settings, num_iterations: int,
@@ -269,6 +290,7 @@ def run_step3(preset, sft_path: str | Path, rm_path: str | Path, settings, num_i
               progress: bool = False) -> dict:
     """Step 3 for a preset: PPO from the SFT model against the reward model.
 
+    With ``settings.unsup_coef`` > 0 the actor also trains on step-1 batches (PPO-ptx).
     Samples held-out prompts before and after training (same seed), saves the actor to
     ``out_dir`` if given, and returns ``{"history", "before", "after", "samples"}``, where
     ``before``/``after`` hold :data:`EVAL_KEYS` and ``samples`` the texts side by side.
@@ -283,11 +305,14 @@ def run_step3(preset, sft_path: str | Path, rm_path: str | Path, settings, num_i
     engines = step3_engines(preset, sft_path, rm_path, settings, num_iterations,
                             actor_learning_rate, critic_learning_rate)
     scorer = tasks.score if list(preset.data) == ["shipped"] else None
-    before = ppo.evaluate_policy(engines, tokenizer, eval_batches, settings, scorer,
-                                 seed=settings.seed, policy=engines.ref.module)
+    before = add_format_share(ppo.evaluate_policy(engines, tokenizer, eval_batches, settings, scorer,
+                                                  seed=settings.seed, policy=engines.ref.module), scorer)
+    ptx = (step3_ptx_loader(preset, tokenizer, settings.per_device_training_batch_size, settings.seed)
+           if settings.unsup_coef > 0 else None)
     history = ppo.train_ppo(engines, tokenizer, prompts, settings, num_iterations, scorer=scorer,
-                            progress=progress)
-    after = ppo.evaluate_policy(engines, tokenizer, eval_batches, settings, scorer, seed=settings.seed)
+                            ptx_loader=ptx, progress=progress)
+    after = add_format_share(ppo.evaluate_policy(engines, tokenizer, eval_batches, settings, scorer,
+                                                 seed=settings.seed), scorer)
     if out_dir is not None:
         models.save_hf_model(engines.actor, str(out_dir), tokenizer)
     runtime.teardown(engines.actor, engines.ref, engines.critic, engines.reward)
@@ -353,8 +378,8 @@ def compare_policies(preset, policies: dict[str, str | Path], sft_path: str | Pa
     for name, path in policies.items():
         # The same precision as the reference, so the SFT model's KL to itself is exactly 0.
         policy = load_policy(preset, path, tokenizer).to(next(ref.module.parameters()).dtype)
-        result = ppo.evaluate_policy(engines, tokenizer, eval_batches, settings, scorer,
-                                     seed=settings.seed, policy=policy)
+        result = add_format_share(ppo.evaluate_policy(engines, tokenizer, eval_batches, settings, scorer,
+                                                      seed=settings.seed, policy=policy), scorer)
         rows.append({"policy": name, "perplexity": evaluation.perplexity(policy, ppl_batches),
                      **{k: result[k] for k in EVAL_KEYS if k in result}})
     runtime.teardown(ref, scorer_model)

@@ -47,6 +47,16 @@ MIN_ITEMS, MAX_ITEMS = 3, 6
 FORMAT_WEIGHT = 0.2
 #: Share of preference rows whose ``chosen`` is the exact answer; the rest get a flawed-but-better one.
 CHOSEN_PERFECT_FRACTION = 0.8
+#: Share of preference rows whose ``chosen`` is the correct list wrapped in chatter ("Sure! The
+#: answer is 4 7 9."): right content in a style the task does not ask for, so it scores
+#: 1 - FORMAT_WEIGHT. Step 1 imitates ``chosen``, so the SFT model answers this way about as
+#: often; the style pairs below tell the reward model the bare list is better, and step 3 can
+#: act on that. Human demonstrations vary in style the same way, and moving a model between
+#: behaviours it already has is what RLHF does most readily.
+CHATTY_CHOSEN_FRACTION = 0.3
+#: Share of preference rows that compare the bare correct list (chosen) with the same list in
+#: another style — chatter or commas (rejected): pure style preferences, no content difference.
+STYLE_PAIR_FRACTION = 0.2
 #: Responses per prompt in the K-wise variant (DeepSpeed-Chat's K-wise reward model fork uses k >= 4).
 K_WISE_K = 4
 
@@ -156,6 +166,11 @@ def score_components(prompt: str, response: str) -> dict[str, float]:
             "score": FORMAT_WEIGHT * well_formed + (1 - FORMAT_WEIGHT) * similarity}
 
 
+def well_formed_fraction(responses: list[str]) -> float:
+    """Share of ``responses`` in the task's format (a bare space-separated list of numbers)."""
+    return sum(bool(_WELL_FORMED.match(r)) for r in responses) / max(1, len(responses))
+
+
 def score(prompt: str, response: str) -> float:
     """The ground-truth mark of ``response`` to ``prompt``, in [0, 1] (1 = exactly right)."""
     return score_components(prompt, response)["score"]
@@ -256,8 +271,19 @@ def random_problem(rng: random.Random) -> Problem:
 def preference_row(rng: random.Random, problem: Problem) -> dict[str, str]:
     """One row in the Dahoas/rm-static schema with score(chosen) > score(rejected)."""
     prompt, answer = problem.prompt, problem.answer
+    kind = rng.random()
+    while kind < STYLE_PAIR_FRACTION:
+        restyled = FORMAT_CORRUPTIONS[rng.choice(sorted(FORMAT_CORRUPTIONS))](rng, answer, problem)
+        if score(prompt, restyled) < 1.0:  # commas around a single number change nothing
+            return {"prompt": prompt, "response": format_answer(answer), "chosen": format_answer(answer),
+                    "rejected": restyled}
     while True:
-        if rng.random() < CHOSEN_PERFECT_FRACTION:
+        if kind < STYLE_PAIR_FRACTION + CHATTY_CHOSEN_FRACTION:
+            # the same chatty style on both sides: style alone must not predict "chosen"
+            chosen = _chatter(rng, answer, problem)
+            flawed = corrupt(rng, problem, answer, severity=rng.randint(1, 2))
+            rejected = _chatter(rng, [int(x) for x in re.findall(r"\d+", flawed)], problem)
+        elif rng.random() < CHOSEN_PERFECT_FRACTION:
             chosen = format_answer(answer)
             rejected = corrupt(rng, problem, answer, severity=rng.randint(1, 2))
         else:
@@ -310,11 +336,18 @@ def generate_splits(seed: int = DEFAULT_SEED, train_rows: int = TRAIN_ROWS, eval
 
 def preference_stats(rows: list[dict]) -> dict[str, float]:
     """Ground-truth facts about preference rows: how often chosen beats rejected, mean scores,
-    and the share of chosen responses that are exactly right."""
+    the share of chosen responses that are exactly right, the share that have the right
+    numbers in another style, and the share of pure style pairs."""
     chosen = [score(r["prompt"], r["chosen"]) for r in rows]
     rejected = [score(r["prompt"], r["rejected"]) for r in rows]
+    right_but_unformatted = [score_components(r["prompt"], r[side])["similarity"] == 1.0
+                             and not _WELL_FORMED.match(r[side]) for r in rows for side in ("chosen", "rejected")]
     n = len(rows)
     return {"rows": n,
+            # chosen: the right numbers in another style (the demonstrations SFT imitates)
+            "chosen_restyled_fraction": sum(right_but_unformatted[0::2]) / n,
+            # the bare right answer against the same numbers restyled: a pure style preference
+            "style_pair_fraction": sum(c == 1.0 and r for c, r in zip(chosen, right_but_unformatted[1::2])) / n,
             "chosen_beats_rejected_fraction": sum(c > r for c, r in zip(chosen, rejected)) / n,
             "mean_chosen_score": sum(chosen) / n, "mean_rejected_score": sum(rejected) / n,
             "chosen_perfect_fraction": sum(c == 1.0 for c in chosen) / n,

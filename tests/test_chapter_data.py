@@ -1,5 +1,7 @@
 """The data chapter's claims, read from what notebooks/04-data.ipynb recorded."""
 
+import pytest
+
 from dschat_lib import tasks
 
 
@@ -12,6 +14,10 @@ def test_data_chapter_claims(glue):
     assert values["data_mean_chosen_score"] > values["data_mean_rejected_score"]
     # ...and that some chosen responses are imperfect, so SFT on chosen cannot be perfect.
     assert 0.5 < values["data_chosen_perfect_fraction"] < 1.0
+    # ...that about CHATTY_CHOSEN_FRACTION of them have the right numbers in a chatty style, and
+    # about STYLE_PAIR_FRACTION of rows are pure style preferences.
+    assert values["data_chosen_restyled_fraction"] == pytest.approx(tasks.CHATTY_CHOSEN_FRACTION, abs=0.02)
+    assert values["data_style_pair_fraction"] == pytest.approx(tasks.STYLE_PAIR_FRACTION, abs=0.02)
     assert "image/png" in values["data_score_hist"]
     assert values["data_format_weight"] == tasks.FORMAT_WEIGHT
     # Partial credit: a dropped number and a comma format each cost part of the score.

@@ -26,14 +26,20 @@ def test_reward_model_chapter(glue):
     assert values["rm_policy_agreement"] < values["rm_pair_agreement"]
     for key in ("rm_training_plot", "rm_score_distributions", "rm_agreement_plot"):
         assert "image/png" in values[key]
-    # "At equal sequences and steps the two objectives end up close."
-    assert abs(values["rm_kwise_acc_after"] - values["rm_acc_after"]) < 0.1
+    # "On ordering ground-truth pairs the two objectives end up close"; the pairwise model's
+    # accuracy is the higher one (the style pairs are in its data only).
+    assert RM_MIN_ACCURACY <= values["rm_kwise_acc_after"] <= values["rm_acc_after"]
     assert abs(values["rm_kwise_pair_agreement"] - values["rm_pair_agreement"]) < 0.1
 
 
-#: PPO's margins, asserted for every seed the PPO notebook runs (3 by default).
-PPO_MIN_REWARD_GAIN = 0.1
+#: PPO's margins, asserted for every seed the PPO notebook runs (3 by default). Measured with
+#: the default parameters: reward gains of about 0.7-1.2, ground-truth gains of +0.02 to +0.07,
+#: final KL under 1.1 nats.
+PPO_MIN_REWARD_GAIN = 0.3
+PPO_MIN_TRUTH_GAIN = 0.01
 PPO_MAX_KL = 3.0
+#: The share of bare-list answers must rise by at least this much (the style PPO learns).
+PPO_MIN_FORMAT_GAIN = 0.1
 
 
 @pytest.mark.notebook
@@ -43,17 +49,20 @@ def test_ppo_chapter(glue):
     # PPO raises the reward model's score of sampled responses, for every seed ...
     assert values["ppo_reward_rlhf"] > values["ppo_reward_sft"] + PPO_MIN_REWARD_GAIN
     assert min(values["ppo_seed_reward_gains"]) > PPO_MIN_REWARD_GAIN
+    # ... and the ground-truth score, which PPO never sees, for every seed ...
+    assert values["ppo_truth_rlhf"] > values["ppo_truth_sft"] + PPO_MIN_TRUTH_GAIN
+    assert values["ppo_seed_truth_changes"][0] == pytest.approx(values["ppo_truth_rlhf"] - values["ppo_truth_sft"], abs=1e-3)
+    assert values["ppo_seed_truth_change_min"] > PPO_MIN_TRUTH_GAIN
     # ... with a KL to the reference that stays bounded (nats per response).
     assert 0 < values["ppo_kl_final"] < PPO_MAX_KL
     assert all(0 < kl < PPO_MAX_KL for kl in values["ppo_seed_kls"])
-    # The prose: small, careful steps, and a critic that learns.
-    assert values["ppo_approx_kl_max"] < 0.1 and values["ppo_clipfrac_mean"] < 0.05
+    # The prose: most of the gain is the answer format the style pairs taught the reward model.
+    assert values["ppo_well_formed_rlhf"] > values["ppo_well_formed_sft"] + PPO_MIN_FORMAT_GAIN
+    assert values["ppo_seed_well_formed_rlhf_min"] > values["ppo_well_formed_sft"]
+    # The prose: small, careful steps (clip active on a few per cent of tokens), a critic that learns.
+    assert values["ppo_approx_kl_max"] < 0.2 and 0 < values["ppo_clipfrac_mean"] < 0.1
     assert values["ppo_explained_var_last"] > values["ppo_explained_var_first"]
     assert "image/png" in values["ppo_history_plot"]
-    # The prose: the ground truth did not follow; it fell in every seed. (The goal —
-    # truth rising too — is not met at this scale; see the chapter for the measured reason.)
-    assert values["ppo_seed_truth_changes"][0] == pytest.approx(values["ppo_truth_rlhf"] - values["ppo_truth_sft"], abs=1e-3)
-    assert values["ppo_seed_truth_change_max"] < 0
 
 
 @pytest.mark.notebook
@@ -64,6 +73,13 @@ def test_end_to_end_chapter(glue):
     assert values["e2e_perplexity_sft"] < values["e2e_perplexity_base"] / 2
     assert values["e2e_kl_sft"] == pytest.approx(0.0, abs=1e-6)
     assert values["e2e_kl_rlhf"] > 0
+    # RLHF (PPO-ptx) improves on SFT in reward and truth; without ptx the reward rises further
+    # while the ground truth falls below the ptx run's — the content skill erodes.
+    assert values["e2e_reward_rlhf"] > values["e2e_reward_sft"]
+    assert values["e2e_truth_rlhf"] > values["e2e_truth_sft"]
+    assert values["e2e_well_formed_rlhf"] > values["e2e_well_formed_sft"]
+    assert values["e2e_reward_noptx"] > values["e2e_reward_sft"]
+    assert values["e2e_truth_noptx"] < values["e2e_truth_rlhf"]
     # Reward hacking, as the prose describes it: the weak reward model's score rises while the
     # ground truth does not.
     assert values["hack_reward_rlhf"] > values["hack_reward_sft"]

@@ -79,6 +79,27 @@ def test_generated_rows_prefer_chosen_even_when_chosen_is_flawed():
     assert 0 < sum(c < 1.0 for c, _ in scores) < len(scores) / 2
 
 
+def test_style_never_marks_the_chosen_side():
+    """Chatty demonstrations are paired with a chatty worse answer, and the style pairs put the
+    bare list on the chosen side: "unformatted" predicts rejected, never chosen."""
+    rows = tasks.generate_splits(seed=3, train_rows=2000, eval_rows=10, k_wise_train_rows=10,
+                                 k_wise_eval_rows=10)["train"]
+    formatted = lambda r, side: tasks.score_components(r["prompt"], r[side])["well_formed"] == 1.0
+    chatty_chosen = [r for r in rows if not formatted(r, "chosen")]
+    assert chatty_chosen and all(not formatted(r, "rejected") for r in chatty_chosen)
+    stats = tasks.preference_stats(rows)
+    assert stats["chosen_restyled_fraction"] == pytest.approx(tasks.CHATTY_CHOSEN_FRACTION, abs=0.04)
+    assert stats["style_pair_fraction"] == pytest.approx(tasks.STYLE_PAIR_FRACTION, abs=0.04)
+    style_pairs = [r for r in rows if tasks.score(r["prompt"], r["chosen"]) == 1.0
+                   and tasks.score_components(r["prompt"], r["rejected"])["similarity"] == 1.0]
+    assert all(formatted(r, "chosen") and not formatted(r, "rejected") for r in style_pairs)
+
+
+def test_well_formed_fraction():
+    assert tasks.well_formed_fraction([" 1 2 3", " Sure! The answer is 1 2 3.", " 1, 2"]) == pytest.approx(1 / 3)
+    assert tasks.well_formed_fraction([]) == 0.0
+
+
 # --------------------------------------------------------------------------- the shipped files
 
 @pytest.fixture(scope="module")
