@@ -15,9 +15,11 @@ fraction of the mark, so a half-right answer earns about half. That is what lets
 reward-model and PPO chapters measure *how much* a model learned, not just whether it did.
 
 Preference rows follow the ``Dahoas/rm-static`` schema (``prompt``, ``response``,
-``chosen``, ``rejected``). ``chosen`` is usually the correct answer and sometimes a slightly
-flawed one; ``rejected`` is a corrupted answer that always scores strictly lower — the
-generator checks it with :func:`score` row by row. K-wise rows hold ``K_WISE_K`` responses
+``chosen``, ``rejected``). ``chosen`` is usually the correct answer, sometimes the correct
+numbers in a chatty style (both sides of such a row are chatty) and sometimes a slightly flawed
+answer; some rows are pure style preferences (the bare list against the same numbers restyled).
+``rejected`` always scores strictly lower — the generator checks it with :func:`score` row by
+row. K-wise rows hold ``K_WISE_K`` responses
 ranked best first, with strictly decreasing scores.
 
 Everything is generated from one seed by :func:`generate_splits`; ``data/`` holds the

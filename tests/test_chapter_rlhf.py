@@ -79,7 +79,9 @@ def test_end_to_end_chapter(glue):
     assert values["e2e_truth_rlhf"] > values["e2e_truth_sft"]
     assert values["e2e_well_formed_rlhf"] > values["e2e_well_formed_sft"]
     assert values["e2e_reward_noptx"] > values["e2e_reward_sft"]
-    assert values["e2e_truth_noptx"] < values["e2e_truth_rlhf"]
+    assert values["e2e_truth_noptx"] < values["e2e_truth_sft"] < values["e2e_truth_rlhf"]
+    assert values["e2e_well_formed_noptx"] > values["e2e_well_formed_sft"]
+    assert values["e2e_perplexity_noptx"] > 1.5 * values["e2e_perplexity_sft"]
     # Reward hacking, as the prose describes it: the weak reward model's score rises while the
     # ground truth does not.
     assert values["hack_reward_rlhf"] > values["hack_reward_sft"]
