@@ -50,6 +50,20 @@ def _sft_rows(result: dict) -> list[list[str]]:
     return rows
 
 
+def _rlhf_rows(rlhf: dict) -> list[list[str]]:
+    rows = []
+    for label, row in rlhf.items():
+        if row.get("status") != "measured" or "error" in row:
+            reason = row.get("error") or row.get("status", "failed")
+            rows.append([label, reason[:80], "", "", "", "", "", ""])
+            continue
+        case = row["name"]
+        rows.append([label, case, f"{row['micro_batch_size']} × {row['seq_len']}", f"{row['samples_per_s']:.1f}",
+                     f"{row['tokens_per_s']:,.0f}", f"{row['model_tflops']:.3g}",
+                     f"{100 * row['mfu']:.1f} % ({row['peak_source']})", f"{row['peak_memory_bytes'] / MIB:,.0f}"])
+    return rows
+
+
 def _baseline_rows(result: dict) -> list[list[str]]:
     targets, rows = result["targets"], []
     over = result.get("overhead", {})
@@ -100,21 +114,28 @@ def _suite_section(title: str, result: dict) -> list[str]:
     gen = result.get("generation", {})
     if "plain_after" in gen:
         ratio = gen["plain_after"]["new_tokens_per_s"] / gen["plain"]["new_tokens_per_s"]
-        out += [f"The same plain module generated {ratio:.1f}× as fast when built after DeepSpeed's set-up "
-                "in the same process as before it (same torch thread count, "
-                f"{gen.get('torch_threads')}); the cause is not yet pinned down, so both measurements are "
-                "shown rather than one chosen. Rollouts in PPO come from the process that holds the "
-                "training engine, which is the gathered-copy row.", ""]
+        change = f"{ratio:.1f}× as fast" if ratio >= 1 else f"{1 / ratio:.1f}× slower"
+        text = (f"The same plain module generated {change} when built after the ZeRO-3 engine, in the same "
+                f"process, as before it (same torch thread count, {gen.get('torch_threads')}).")
+        if gen.get("linear_replaced"):
+            text += (" One process-wide change is known: the ZeRO-3 engine replaced "
+                     "`torch.nn.functional.linear` with its memory-saving autograd function (ZeRO config "
+                     "`memory_efficient_linear`, on by default), and every model in the process, plain or not, "
+                     "runs through it from then on.")
+        out += [text + " Rollouts in PPO come from the process that holds the training engine, which is "
+                "the gathered-copy row.", ""]
     rlhf = result.get("rlhf_steps", {})
     if rlhf:
-        out += ["### Reward-model and PPO steps", ""]
-        for label, row in rlhf.items():
-            if row.get("status") == "measured" and "error" not in row:
-                out.append(f"- {label}: {row['samples_per_s']:.1f} samples/s, {row['tokens_per_s']:,.0f} "
-                           f"tokens/s, MFU {100 * row['mfu']:.1f} %, peak {row['peak_memory_bytes'] / MIB:,.0f} MiB.")
-            else:
-                out.append(f"- {label}: {row.get('status', 'failed')}{' — ' + row['error'] if 'error' in row else ''}.")
-        out.append("")
+        out += ["### Reward-model and PPO steps", "",
+                _table(["step", "case", "micro-batch × tokens", "samples/s", "tokens/s", "model TFLOP/s",
+                        "MFU", "peak memory (MiB)"], _rlhf_rows(rlhf)), ""]
+        ppo = rlhf.get("PPO (step 3)", {})
+        if "experience_share" in ppo:
+            out += [f"A PPO sample is one prompt ({ppo['prompt_len']} tokens) with its sampled response "
+                    f"(up to {ppo['answer_len']} tokens); making the experience — sampling plus the four "
+                    f"models' scoring passes — took {100 * ppo['experience_share']:.0f} % of each iteration, "
+                    "the actor and critic updates the rest. A reward-model sample is a chosen/rejected pair, "
+                    "so its tokens/s counts both sequences.", ""]
     book = result.get("book_execution")
     if book and book["notebooks"]:
         minutes = book["total_s"] / 60
@@ -143,6 +164,14 @@ def render(results: dict[str, dict]) -> str:
            "- **Model FLOPs per token** of a training step: $6N + 12 L H S$ — six FLOPs per parameter "
            "(two forward, four backward) plus the attention products ($L$ layers, width $H$, "
            "sequence length $S$).",
+           "- **Reward-model step** (step 2): a sample is a chosen/rejected pair, two sequences scored in "
+           "one forward pass, so tokens/s counts both; FLOPs per token as for training.",
+           "- **PPO iteration** (step 3): a sample is one prompt with its response. Its FLOPs per token add "
+           "every pass over the $S$ = prompt + response tokens, each forward costing $2N + 4LHS$: "
+           "sampling (one actor forward — a KV cache makes prefill plus decoding one forward's matmuls), "
+           "the experience passes (actor, reference, critic, reward model) and the actor and critic "
+           "updates (forward + backward, three forwards each): six forwards of the actor's shape and "
+           "five of the critic's per token.",
            "- **Model TFLOP/s** = tokens/s × FLOPs per token; **MFU** = model TFLOP/s ÷ peak TFLOP/s, "
            "the peak being the datasheet's dense 16-bit figure on a known GPU, otherwise the best of "
            "several large matmuls measured on the same device and dtype (the table says which).",

@@ -68,7 +68,7 @@ def generation(case: dict) -> dict:
     plain, zero3 = run["plain"], run
     return {"case": case, "zero3": zero3["zero3"], "gathered": zero3["gathered"],
             "gather_s": zero3["gather_s"], "plain": plain, "plain_after": run["plain_after"],
-            "torch_threads": run.get("torch_threads"),
+            "torch_threads": run.get("torch_threads"), "linear_replaced": run.get("linear_replaced"),
             "speedup_plain_over_zero3": plain["new_tokens_per_s"] / zero3["zero3"]["new_tokens_per_s"],
             "speedup_plain_after_over_zero3": run["plain_after"]["new_tokens_per_s"] / zero3["zero3"]["new_tokens_per_s"],
             "speedup_gathered_over_zero3": zero3["gathered"]["new_tokens_per_s"] / zero3["zero3"]["new_tokens_per_s"]}
@@ -85,8 +85,8 @@ def rlhf_steps(suite: dict, steps: int, warmup: int) -> dict:
         if not hasattr(module, "benchmark_step"):
             rows[label] = {"status": f"not measured: {module_name} has no benchmark_step()"}
             continue
-        rows[label] = {"status": "measured",
-                       **_guarded(label, module.benchmark_step, suite["sft"][0], steps, warmup)}
+        case = suite.get("rlhf", {}).get(label, suite["sft"][0])
+        rows[label] = {"status": "measured", **_guarded(label, module.benchmark_step, case, steps, warmup)}
     return rows
 
 

@@ -33,6 +33,9 @@ SUITES = {
         "overhead": dict(_TINY, name="cpu-tiny fp32", dtype="fp32", stage=0),
         "generation": dict(arch="cpu-tiny", vocab_size=512, dtype="bf16", batch_size=8,
                            prompt_len=32, new_tokens=32),
+        # Steps 2 and 3 at the SFT row's shape; PPO splits seq_len into prompt and response halves.
+        "rlhf": {"reward model (step 2)": dict(_TINY, name="cpu-tiny bf16 reward", dtype="bf16", stage=0),
+                 "PPO (step 3)": dict(_TINY, name="cpu-tiny bf16 PPO", dtype="bf16", stage=0)},
         "steps": (CPU_STEPS, CPU_WARMUP),
     },
     "gpu": {
@@ -56,11 +59,19 @@ SUITES = {
                          dtype="bf16", stage=0, name="opt-125m bf16"),
         "generation": dict(arch="opt-125m", vocab_size=OPT_VOCAB_SIZE, dtype="bf16", batch_size=16,
                            prompt_len=256, new_tokens=256),
+        # DeepSpeed-Chat's single-GPU example pairs an OPT-1.3B actor with an OPT-350M critic
+        # and reward model; 256 prompt + 256 response tokens, as its step-3 defaults.
+        "rlhf": {"reward model (step 2)": dict(arch="opt-350m", vocab_size=OPT_VOCAB_SIZE, seq_len=512,
+                                               micro_batch_size=8, dtype="bf16", stage=0,
+                                               name="opt-350m bf16 reward"),
+                 "PPO (step 3)": dict(arch="opt-1.3b", critic_arch="opt-350m", vocab_size=OPT_VOCAB_SIZE,
+                                      seq_len=512, micro_batch_size=8, dtype="bf16", stage=0,
+                                      name="opt-1.3b actor + opt-350m critic bf16 PPO")},
         "steps": (GPU_STEPS, GPU_WARMUP),
     },
 }
 
-#: RLHF steps that join the suite once their modules exist: a module that defines
-#: ``benchmark_step(case: dict, steps: int, warmup: int) -> dict`` (returning at least
-#: samples_per_s, tokens_per_s, model_tflops, mfu, peak_memory_bytes) gets a row.
+#: The modules whose ``benchmark_step(case: dict, steps: int, warmup: int) -> dict`` measures
+#: each RLHF row (returning at least samples_per_s, tokens_per_s, model_tflops, mfu,
+#: peak_memory_bytes); the case comes from the suite's ``rlhf`` table under the same label.
 PLUGGABLE_STEPS = {"reward model (step 2)": "dschat_lib.reward", "PPO (step 3)": "dschat_lib.ppo"}

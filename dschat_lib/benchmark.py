@@ -10,7 +10,15 @@ What is measured, and how:
   ``6·N + 12·L·H·S`` — 6 FLOPs per parameter (2 forward, 4 backward) plus the attention
   score and value products, which no parameter counts (``L`` layers, width ``H``, sequence
   ``S``; Kaplan et al. 2020, PaLM appendix B). ``N`` counts every parameter once; with a tied
-  output embedding that is right, since the output projection is a real matmul.
+  output embedding that is right, since the output projection is a real matmul. A forward
+  pass alone is a third of it, ``2·N + 4·L·H·S``.
+- **Reward-model step** (step 2): a sample is one chosen/rejected *pair*, two sequences, so
+  tokens/s counts both; FLOPs per token as above, ``N`` the backbone plus the value head.
+- **PPO iteration** (step 3): a sample is one prompt with its sampled response. Its FLOPs
+  (:func:`ppo_flops_per_token`) add up every pass over the ``S`` = prompt + response tokens:
+  generation (one actor forward: with a KV cache, prefill plus decoding does the matmuls of
+  one forward over the whole sequence), the experience passes (actor, reference, critic and
+  reward model, one forward each), then training (actor and critic, forward + backward).
 - **Model TFLOP/s** = tokens/s × FLOPs per token; **MFU** = model TFLOP/s ÷ the device's peak:
   the datasheet's dense peak for known GPUs (:data:`GPU_PEAK_TFLOPS`), otherwise a measured
   large matmul on the same device and dtype (:func:`matmul_peak_tflops`) — say which.
@@ -54,9 +62,30 @@ RECORDED_OPT_1_3B_SFT = {"seconds_per_micro_batch": 0.33, "samples_per_s": 24.0,
                          "stage": 0}
 
 
+def forward_flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
+    """Forward FLOPs per token: 2·N + 4·L·H·S (see the module docstring)."""
+    return 2.0 * num_params + 4.0 * num_layers * hidden_size * seq_len
+
+
 def training_flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
-    """Forward+backward FLOPs per token: 6·N + 12·L·H·S (see the module docstring)."""
-    return 6.0 * num_params + 12.0 * num_layers * hidden_size * seq_len
+    """Forward+backward FLOPs per token: 6·N + 12·L·H·S, three forwards' worth (the backward
+    computes gradients for both the activations and the weights: twice the forward)."""
+    return 3.0 * forward_flops_per_token(num_params, num_layers, hidden_size, seq_len)
+
+
+def ppo_flops_per_token(actor: dict, critic: dict, seq_len: int) -> float:
+    """Model FLOPs per token of one PPO iteration, for ``actor``/``critic`` shapes (dicts with
+    ``num_params, num_layers, hidden_size``; the reference has the actor's shape, the reward
+    model the critic's): generation 1 actor forward, experience 2 actor-shaped + 2
+    critic-shaped forwards, training 1 actor + 1 critic forward+backward: six actor-shaped
+    and five critic-shaped forwards in all."""
+    def forward(shape: dict) -> float:
+        return forward_flops_per_token(shape["num_params"], shape["num_layers"], shape["hidden_size"], seq_len)
+
+    generation = forward(actor)
+    experience = 2 * forward(actor) + 2 * forward(critic)
+    training = 3 * forward(actor) + 3 * forward(critic)
+    return generation + experience + training
 
 
 def peak_tflops(dtype: str, device: torch.device | None = None) -> tuple[float, str]:
@@ -82,15 +111,15 @@ def matmul_peak_tflops(dtype: str, device: torch.device | None = None, size: int
     b = torch.randn(size, size, device=device, dtype=torch_dtype)
     best = float("inf")
     for _ in range(repeats + 1):            # the first run warms up kernels and caches
-        _sync(device)
+        synchronize(device)
         started = time.perf_counter()
         a @ b
-        _sync(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - started)
     return 2 * size**3 / best / 1e12
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -118,13 +147,18 @@ def _apply_lora(model: torch.nn.Module, lora_dim: int) -> torch.nn.Module:
                                             lora_dropout=0.0, bias="none"))
 
 
+def model_shape(model: torch.nn.Module) -> dict:
+    """What the FLOP formulas need: parameter count, layers, width."""
+    cfg = model.config
+    return {"num_params": models.parameter_count(model), "num_layers": cfg.num_hidden_layers,
+            "hidden_size": cfg.hidden_size}
+
+
 def _build(case: dict) -> tuple[torch.nn.Module, dict]:
     model = models.build_causal_lm(case["arch"], vocab_size=case["vocab_size"], seed=case.get("seed", 0))
     if case.get("gradient_checkpointing"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    cfg = model.config
-    shape = {"num_params": models.parameter_count(model), "num_layers": cfg.num_hidden_layers,
-             "hidden_size": cfg.hidden_size}
+    shape = model_shape(model)
     if case.get("lora_dim"):
         model = _apply_lora(model, case["lora_dim"])
     return model, shape
@@ -137,25 +171,29 @@ def _optimizer(model: torch.nn.Module, case: dict) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4, fused=fused)
 
 
-def _timed(step: Callable[[], None], steps: int, warmup: int, device: torch.device) -> list[float]:
+def timed(step: Callable[[], None], steps: int, warmup: int, device: torch.device) -> list[float]:
     for _ in range(warmup):
         step()
-    _sync(device)
+    synchronize(device)
     seconds = []
     for _ in range(steps):
         started = time.perf_counter()
         step()
-        _sync(device)
+        synchronize(device)
         seconds.append(time.perf_counter() - started)
     return seconds
 
 
-def _summarise(case: dict, shape: dict, seconds: list[float], peak_bytes: int, peak: tuple[float, str]) -> dict:
+def summarise(case: dict, shape: dict, seconds: list[float], peak_bytes: int, peak: tuple[float, str],
+              sequences_per_sample: int = 1, flops_per_token: float | None = None) -> dict:
+    """One benchmark row: the median step time and what follows from it (module docstring).
+    ``sequences_per_sample``: 2 for a preference pair; ``flops_per_token`` defaults to a
+    training step's."""
     step_s = statistics.median(seconds)
     samples = case["micro_batch_size"] / step_s
-    tokens = samples * case["seq_len"]
-    flops = training_flops_per_token(shape["num_params"], shape["num_layers"], shape["hidden_size"],
-                                     case["seq_len"])
+    tokens = samples * case["seq_len"] * sequences_per_sample
+    flops = flops_per_token or training_flops_per_token(shape["num_params"], shape["num_layers"],
+                                                        shape["hidden_size"], case["seq_len"])
     tflops = tokens * flops / 1e12
     return {**case, **shape, "step_s": step_s, "step_s_all": seconds, "samples_per_s": samples,
             "tokens_per_s": tokens, "flops_per_token": flops, "model_tflops": tflops,
@@ -163,14 +201,14 @@ def _summarise(case: dict, shape: dict, seconds: list[float], peak_bytes: int, p
             "peak_memory_bytes": int(peak_bytes)}
 
 
-def _memory_start(device: torch.device) -> int:
+def memory_start(device: torch.device) -> int:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     return autotune.live_tensor_bytes()
 
 
-def _memory_peak(device: torch.device, baseline: int, step: Callable[[], None]) -> int:
+def memory_peak(device: torch.device, baseline: int, step: Callable[[], None]) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) - baseline
     return autotune.live_tensor_bytes() - baseline + autotune.transient_peak_bytes(step)
@@ -180,32 +218,42 @@ def deepspeed_step(case: dict, steps: int = 5, warmup: int = 2) -> dict:
     """Time a causal-LM training step (SFT's step) of a DeepSpeed engine built from ``case``:
     ``arch, vocab_size, seq_len, micro_batch_size, dtype, stage`` and optional ``lora_dim``,
     ``gradient_checkpointing``."""
+    batches = training.counting_batches(case["vocab_size"], case["micro_batch_size"], case["seq_len"])
+    return engine_step(case, lambda: _build(case), lambda engine, batch: engine(**batch).loss,
+                       batches, steps, warmup)
+
+
+def engine_step(case: dict, build: Callable[[], tuple[torch.nn.Module, dict]],
+                loss_fn: Callable[[object, dict], torch.Tensor], batches, steps: int, warmup: int,
+                sequences_per_sample: int = 1) -> dict:
+    """Time ``engine.backward(loss_fn(engine, batch)); engine.step()`` on a DeepSpeed engine
+    wrapping ``build()``'s model as ``case`` says (stage, dtype, micro-batch), with the same
+    optimizer as the plain-PyTorch baseline. Memory is counted from before the model exists."""
     import deepspeed
 
     device = runtime.device()
     runtime.init_distributed()
-    baseline = _memory_start(device)
-    model, shape = _build(case)
+    baseline = memory_start(device)
+    model, shape = build()
     optimizer = _optimizer(model, case)
     cfg = config.ds_config(stage=case.get("stage", 0), micro_batch_size=case["micro_batch_size"],
                            dtype=case["dtype"], extra={"zero_allow_untested_optimizer": True})
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
-    batches = training.counting_batches(case["vocab_size"], case["micro_batch_size"], case["seq_len"])
 
     def step() -> None:
         batch = {k: v.to(engine.device) for k, v in next(batches).items()}
-        engine.backward(engine(**batch).loss)
+        engine.backward(loss_fn(engine, batch))
         engine.step()
 
     try:
-        seconds = _timed(step, steps, warmup, device)
-        peak_bytes = _memory_peak(device, baseline, step)
+        seconds = timed(step, steps, warmup, device)
+        peak_bytes = memory_peak(device, baseline, step)
     finally:
         runtime.teardown(engine)
         del engine, optimizer, model
         gc.collect()
-    return _summarise({**case, "runner": f"deepspeed ZeRO-{case.get('stage', 0)}"}, shape, seconds,
-                      peak_bytes, peak_tflops(case["dtype"], device))
+    return summarise({**case, "runner": f"deepspeed ZeRO-{case.get('stage', 0)}"}, shape, seconds,
+                     peak_bytes, peak_tflops(case["dtype"], device), sequences_per_sample)
 
 
 def plain_pytorch_step(case: dict, steps: int = 5, warmup: int = 2) -> dict:
@@ -213,7 +261,7 @@ def plain_pytorch_step(case: dict, steps: int = 5, warmup: int = 2) -> dict:
     ``dtype`` under autocast when 16-bit (fp32 master weights), AdamW, gradient clipping at
     the same norm DeepSpeed's config uses. The baseline for DeepSpeed's overhead."""
     device = runtime.device()
-    baseline = _memory_start(device)
+    baseline = memory_start(device)
     model, shape = _build(case)
     model.to(device)
     optimizer = _optimizer(model, case)
@@ -234,12 +282,12 @@ def plain_pytorch_step(case: dict, steps: int = 5, warmup: int = 2) -> dict:
         optimizer.zero_grad(set_to_none=True)
 
     try:
-        seconds = _timed(step, steps, warmup, device)
-        peak_bytes = _memory_peak(device, baseline, step)
+        seconds = timed(step, steps, warmup, device)
+        peak_bytes = memory_peak(device, baseline, step)
     finally:
         del optimizer, model
         gc.collect()
-    return _summarise({**case, "runner": "plain PyTorch"}, shape, seconds, peak_bytes,
+    return summarise({**case, "runner": "plain PyTorch"}, shape, seconds, peak_bytes,
                       peak_tflops(case["dtype"], device))
 
 
@@ -258,10 +306,10 @@ def generation_speed(module: torch.nn.Module, vocab_size: int, batch_size: int, 
     best = float("inf")
     with torch.no_grad():
         for attempt in range(repeats + 1):
-            _sync(device)
+            synchronize(device)
             started = time.perf_counter()
             module.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), **kwargs)
-            _sync(device)
+            synchronize(device)
             if attempt:
                 best = min(best, time.perf_counter() - started)
     return {"seconds": best, "new_tokens_per_s": batch_size * new_tokens / best}
@@ -319,7 +367,10 @@ def _zero3_generation_main() -> None:
                                                           dtype=dtype).to(runtime.device()), **spec)
     runtime.write_rank_result({"plain": plain, "plain_after": plain_after, "zero3": zero3, "gathered": gathered_speed,
                                "gather_s": gather_s, "world_size": world,
-                               "torch_threads": torch.get_num_threads()})
+                               "torch_threads": torch.get_num_threads(),
+                               # ZeRO-3 swaps F.linear for its memory-saving autograd function
+                               # (config key memory_efficient_linear) for the whole process
+                               "linear_replaced": torch.nn.functional.linear.__name__ != "linear"})
     runtime.teardown(engine)
 
 

@@ -61,8 +61,10 @@ def optimizer_steps(num_micro_batches: int, gradient_accumulation_steps: int) ->
     return math.ceil(num_micro_batches / gradient_accumulation_steps)
 
 
-def build_ds_config(settings: TrainSettings, world_size: int | None = None) -> dict[str, Any]:
-    """The DeepSpeed config these settings describe (optimizer comes from the param groups)."""
+def build_ds_config(settings: TrainSettings, world_size: int | None = None,
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The DeepSpeed config these settings describe (optimizer comes from the param groups);
+    ``extra`` is merged in last (e.g. the actor's hybrid-engine block)."""
     offload_optimizer = "cpu" if settings.offload and settings.zero_stage > 0 else None
     offload_param = "cpu" if settings.offload and settings.zero_stage == 3 else None
     return ds_config_lib.ds_config(
@@ -71,14 +73,15 @@ def build_ds_config(settings: TrainSettings, world_size: int | None = None) -> d
         dtype=settings.dtype, offload_optimizer=offload_optimizer, offload_param=offload_param,
         gradient_clipping=settings.gradient_clipping,
         optimizer=ds_config_lib.adamw(settings.learning_rate, settings.weight_decay, ADAM_BETAS),
-        monitor_dir=settings.monitor_dir, job_name=settings.job_name)
+        monitor_dir=settings.monitor_dir, job_name=settings.job_name, extra=extra)
 
 
 def build_train_engine(model: torch.nn.Module, settings: TrainSettings, num_training_steps: int,
-                       world_size: int | None = None):
+                       world_size: int | None = None, extra_config: dict[str, Any] | None = None):
     """LoRA (if asked), gradient checkpointing (if asked), parameter groups, schedule, engine.
 
     ``num_training_steps`` counts optimizer steps; the schedule decays over exactly that many.
+    ``extra_config`` is merged into the DeepSpeed config (see :func:`build_ds_config`).
     Returns the DeepSpeed engine; the (possibly LoRA-wrapped) model is ``engine.module``.
     """
     import deepspeed
@@ -110,7 +113,7 @@ def build_train_engine(model: torch.nn.Module, settings: TrainSettings, num_trai
                              num_training_steps=num_training_steps)
 
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups,
-                                      config=build_ds_config(settings, world_size),
+                                      config=build_ds_config(settings, world_size, extra_config),
                                       lr_scheduler=scheduler)
     return engine
 

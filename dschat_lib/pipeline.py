@@ -240,11 +240,17 @@ def step3_prompts(preset, tokenizer, batch_size: int, eval_prompts: int, seed: i
 def step3_ptx_loader(preset, tokenizer, batch_size: int, seed: int | None = None):
     """Step-1 batches for PPO-ptx (``PPOSettings.unsup_coef`` > 0): the language-modeling loss
     mixed into the actor's update so that chasing the reward does not unlearn the task."""
+    seed = preset.seed if seed is None else seed
+    return ptx_loader(tokenizer, preset.data, preset.data_split, preset.max_seq_len, batch_size, seed)
+
+
+def ptx_loader(tokenizer, data_path, data_split: str, max_seq_len: int, batch_size: int, seed: int):
+    """The step-1 (SFT) training share of ``data_path`` as a per-rank loader: what PPO-ptx
+    mixes in, for a preset (:func:`step3_ptx_loader`) or the step-3 command line."""
     from dschat_lib import data
 
-    seed = preset.seed if seed is None else seed
-    phase = data.build_phase_data(1, tokenizer, preset.data, data_split=preset.data_split, seed=seed,
-                                  max_seq_len=preset.max_seq_len)
+    phase = data.build_phase_data(1, tokenizer, data_path, data_split=data_split, seed=seed,
+                                  max_seq_len=max_seq_len)
     return distributed_loader(phase.train, phase.collator, batch_size, seed)
 
 

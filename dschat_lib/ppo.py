@@ -156,23 +156,8 @@ def build_actor_engine(model: torch.nn.Module, settings: TrainSettings, num_trai
                        hybrid_engine_tokens: int | None = None, world_size: int | None = None):
     """The actor's engine: :func:`dschat_lib.engine.build_train_engine`, plus the hybrid-engine
     block when ``hybrid_engine_tokens`` is given."""
-    from dschat_lib import config as ds_config_lib
-    from dschat_lib import engine as engine_lib
-
-    if hybrid_engine_tokens is None:
-        return engine_lib.build_train_engine(model, settings, num_training_steps, world_size)
-    original = engine_lib.build_ds_config
-
-    def with_hybrid(s, w=None):
-        config = original(s, w)
-        ds_config_lib._deep_update(config, hybrid_engine_config(hybrid_engine_tokens))
-        return config
-
-    engine_lib.build_ds_config = with_hybrid
-    try:
-        return engine_lib.build_train_engine(model, settings, num_training_steps, world_size)
-    finally:
-        engine_lib.build_ds_config = original
+    extra = None if hybrid_engine_tokens is None else hybrid_engine_config(hybrid_engine_tokens)
+    return build_train_engine(model, settings, num_training_steps, world_size, extra_config=extra)
 
 
 @dataclass
@@ -568,6 +553,77 @@ class _ModuleAsEngine(torch.nn.Module):
         return self.module(*args, **kwargs)
 
 
+# --------------------------------------------------------------------------- benchmark
+
+def benchmark_step(case: dict, steps: int = 5, warmup: int = 2) -> dict:
+    """Time one PPO iteration at a benchmark case's shape (``make bench``).
+
+    ``micro_batch_size`` prompts of ``seq_len // 2`` random tokens; the actor samples up to
+    ``seq_len // 2`` tokens for each; then the experience passes, the advantages and one
+    actor and one critic optimizer step on the whole batch. Actor and reference are built
+    from ``arch``, critic and reward model from ``critic_arch`` (default: ``arch``), all four
+    DeepSpeed engines at ``stage``/``dtype``. A sample is one prompt with its response; the
+    row adds the share of the iteration spent making experience (sampling included).
+    """
+    from dschat_lib import benchmark, models, runtime
+    from dschat_lib.tokenizer import SPECIAL_TOKENS, load_tokenizer
+
+    device = runtime.device()
+    runtime.init_distributed()
+    baseline = benchmark.memory_start(device)
+    tokenizer = load_tokenizer()
+    critic_arch = case.get("critic_arch", case["arch"])
+    prompt_len = case["seq_len"] // 2
+    settings = PPOSettings(per_device_generation_batch_size=case["micro_batch_size"],
+                           per_device_training_batch_size=case["micro_batch_size"],
+                           max_answer_seq_len=case["seq_len"] - prompt_len)
+    train = TrainSettings(per_device_train_batch_size=case["micro_batch_size"], learning_rate=1e-5,
+                          lr_scheduler_type="constant", zero_stage=case.get("stage", 0), dtype=case["dtype"])
+
+    def causal_lm():
+        return models.build_causal_lm(case["arch"], vocab_size=case["vocab_size"], seed=0)
+
+    def value_model():
+        return models.RewardModel(models.create_hf_model(critic_arch, vocab_size=case["vocab_size"],
+                                                         seed=0, head="none"))
+
+    actor, critic = causal_lm(), value_model()
+    actor_shape = benchmark.model_shape(actor)
+    critic_shape = {**benchmark.model_shape(critic.backbone), "num_params": models.parameter_count(critic)}
+    engines = build_engines(actor, causal_lm(), critic, value_model(), settings, train, train,
+                            num_iterations=steps + warmup + 1)
+    generator = torch.Generator().manual_seed(0)
+    # ids past the special tokens, so no prompt ends early or is mistaken for padding
+    prompts = {"input_ids": torch.randint(len(SPECIAL_TOKENS), min(len(tokenizer), case["vocab_size"]),
+                                          (case["micro_batch_size"], prompt_len), generator=generator)}
+    prompts["attention_mask"] = torch.ones_like(prompts["input_ids"])
+    experience_seconds = []
+
+    def iteration() -> None:
+        started = time.perf_counter()
+        experience = add_advantages(make_experience(engines, prompts, tokenizer, settings),
+                                    settings, settings.init_kl_coef)
+        benchmark.synchronize(device)
+        experience_seconds.append(time.perf_counter() - started)
+        ppo_update(engines, experience, settings, generator=generator)
+
+    try:
+        seconds = benchmark.timed(iteration, steps, warmup, device)
+        measured = experience_seconds[warmup:]
+        peak_bytes = benchmark.memory_peak(device, baseline, iteration)
+    finally:
+        engines.destroy()
+        runtime.teardown()
+    row = benchmark.summarise({**case, "runner": f"deepspeed ZeRO-{case.get('stage', 0)}"}, actor_shape,
+                              seconds, peak_bytes, benchmark.peak_tflops(case["dtype"], device),
+                              flops_per_token=benchmark.ppo_flops_per_token(actor_shape, critic_shape,
+                                                                            case["seq_len"]))
+    return {**row, "critic_arch": critic_arch, "critic_num_params": critic_shape["num_params"],
+            "prompt_len": prompt_len, "answer_len": settings.max_answer_seq_len,
+            "experience_share": sum(measured) / sum(seconds),
+            "sample": "a prompt and its sampled response"}
+
+
 # --------------------------------------------------------------------------- command line
 
 def _model_arguments(parser: argparse.ArgumentParser, role: str, lr: float) -> None:
@@ -692,7 +748,7 @@ def save_models(engines: Engines, output_dir: str, tokenizer, actor_settings: Tr
 def main(argv: Sequence[str] | None = None) -> int:
     """Run step 3 from the command line (also under ``deepspeed --num_gpus N``)."""
     from dschat_lib import data, models, runtime, tasks
-    from dschat_lib.pipeline import distributed_loader, finish_rank, load_tokenizer_for
+    from dschat_lib.pipeline import distributed_loader, finish_rank, load_tokenizer_for, ptx_loader
 
     args = build_parser().parse_args(argv)
     runtime.init_distributed()
@@ -707,13 +763,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     iterations = len(loader) * args.num_train_epochs // settings.generation_batches
     if args.max_iterations is not None:
         iterations = min(iterations, args.max_iterations)
-    ptx_loader = None
+    ptx_batches = None
     if settings.unsup_coef > 0:
-        sft_data = data.build_phase_data(1, tokenizer, args.data_path, data_split=args.data_split,
-                                         seed=args.seed, max_seq_len=args.max_prompt_seq_len
-                                         + settings.max_answer_seq_len)
-        ptx_loader = distributed_loader(sft_data.train, sft_data.collator,
-                                        settings.per_device_training_batch_size, args.seed)
+        ptx_batches = ptx_loader(tokenizer, args.data_path, args.data_split,
+                                 args.max_prompt_seq_len + settings.max_answer_seq_len,
+                                 settings.per_device_training_batch_size, args.seed)
     # Scored against the task's ground truth when the prompts are the shipped task's.
     scorer = tasks.score if list(args.data_path) == [data.SHIPPED] else None
 
@@ -733,7 +787,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     before = evaluate_policy(engines, tokenizer, eval_batches, settings, scorer, seed=args.seed,
                              policy=engines.ref.module)
     history = train_ppo(engines, tokenizer, loader, settings, iterations, scorer=scorer,
-                        ptx_loader=ptx_loader, progress=not args.disable_progress)
+                        ptx_loader=ptx_batches, progress=not args.disable_progress)
     after = evaluate_policy(engines, tokenizer, eval_batches, settings, scorer, seed=args.seed)
     save_models(engines, args.output_dir, tokenizer, actor_settings, critic_settings)
     summary = {"name": "step3", "step": 3, "world_size": world, "iterations": iterations,

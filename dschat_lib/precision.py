@@ -121,17 +121,14 @@ def current_loss_scale(optimizer) -> float:
 
 def train_fp16(engine, batches: Iterable[dict[str, torch.Tensor]], num_steps: int) -> list[dict]:
     """Train an fp16 engine and record, per step: loss, the loss scale after the step, and
-    DeepSpeed's running count of skipped steps (``engine.skipped_steps``)."""
-    history, batches = [], iter(batches)
-    for step in range(num_steps):
-        batch = {k: v.to(engine.device) for k, v in next(batches).items()}
-        loss = engine(**batch).loss
-        engine.backward(loss)
-        engine.step()
-        history.append({"step": step, "loss": loss.item(),
-                        "loss_scale": current_loss_scale(engine.optimizer),
-                        "skipped": int(engine.skipped_steps)})
-    return history
+    DeepSpeed's running count of skipped steps (``engine.skipped_steps``) — the rows
+    :func:`dschat_lib.training.run_steps` writes for an fp16 engine."""
+    from dschat_lib import training  # imported here: training imports this module
+
+    if not engine.fp16_enabled():
+        raise ValueError("train_fp16 needs an engine with fp16 enabled (its config's fp16 block); "
+                         "without it there is no loss scale to record")
+    return training.run_steps(engine, batches, num_steps, desc="fp16", progress=False)
 
 
 def skipped_steps(history: Sequence[dict]) -> list[int]:

@@ -256,6 +256,33 @@ def train_reward_model(model, train_loader, eval_batches: Sequence[dict], settin
     return engine, RewardReport(history=history, before=before, after=after, loss=loss)
 
 
+# --------------------------------------------------------------------------- benchmark
+
+def benchmark_step(case: dict, steps: int = 5, warmup: int = 2) -> dict:
+    """Time step 2's training step at a benchmark case's shape (``make bench``).
+
+    ``micro_batch_size`` pairs of two ``seq_len``-token sequences (random tokens: speed does
+    not depend on what they say) go through a :class:`~dschat_lib.models.RewardModel` built
+    from ``arch`` in one forward pass, then the pairwise loss, backward and optimizer step of a
+    DeepSpeed engine at ``stage``/``dtype``. A sample is a pair, so tokens/s counts both sides.
+    """
+    from dschat_lib import benchmark, models
+
+    def build():
+        backbone = models.create_hf_model(case["arch"], vocab_size=case["vocab_size"], seed=0, head="none")
+        model = models.RewardModel(backbone)
+        return model, {**benchmark.model_shape(backbone), "num_params": models.parameter_count(model)}
+
+    def pair_batches():
+        # chosen rows first, then rejected: the layout PairCollator produces
+        for batch in training.counting_batches(case["vocab_size"], 2 * case["micro_batch_size"], case["seq_len"]):
+            yield {"input_ids": batch["input_ids"], "attention_mask": torch.ones_like(batch["input_ids"])}
+
+    row = benchmark.engine_step(case, build, lambda engine, batch: pairwise_step(engine, batch)[0],
+                                pair_batches(), steps, warmup, sequences_per_sample=2)
+    return {**row, "sample": "a chosen/rejected pair (2 sequences)"}
+
+
 # --------------------------------------------------------------------------- command line
 
 def build_parser() -> argparse.ArgumentParser:

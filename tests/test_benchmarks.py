@@ -62,6 +62,45 @@ def test_plain_and_deepspeed_steps_measure_the_same_model():
         assert row["mfu"] == pytest.approx(row["model_tflops"] / row["peak_tflops"])
 
 
+def test_ppo_flops_count_six_actor_and_five_critic_forwards():
+    actor = {"num_params": 1000, "num_layers": 2, "hidden_size": 8}
+    critic = {"num_params": 300, "num_layers": 1, "hidden_size": 4}
+    forward = benchmark.forward_flops_per_token
+    expected = 6 * forward(1000, 2, 8, 16) + 5 * forward(300, 1, 4, 16)
+    assert benchmark.ppo_flops_per_token(actor, critic, 16) == pytest.approx(expected)
+    assert benchmark.training_flops_per_token(1000, 2, 8, 16) == 3 * forward(1000, 2, 8, 16)
+
+
+def test_reward_step_counts_a_pair_as_two_sequences():
+    from dschat_lib import reward
+
+    case = {k: v for k, v in MICRO.items() if k != "num_hidden_layers"}
+    row = reward.benchmark_step(case, steps=1, warmup=1)
+    assert row["samples_per_s"] > 0 and row["peak_memory_bytes"] > 0
+    assert row["tokens_per_s"] == pytest.approx(2 * row["samples_per_s"] * case["seq_len"])
+    lm = benchmark.deepspeed_step(case, steps=1, warmup=1)
+    # the backbone plus a one-output value head, with no LM head: close to the causal LM's count
+    assert abs(row["num_params"] - lm["num_params"]) < case["vocab_size"] * 32
+
+
+def test_ppo_step_times_a_whole_iteration():
+    from dschat_lib import ppo
+
+    case = {k: v for k, v in MICRO.items() if k != "num_hidden_layers"}
+    row = ppo.benchmark_step(case, steps=1, warmup=1)
+    assert row["prompt_len"] + row["answer_len"] == case["seq_len"]
+    assert row["tokens_per_s"] == pytest.approx(row["samples_per_s"] * case["seq_len"])
+    assert 0 < row["experience_share"] < 1
+    assert row["flops_per_token"] > 3 * benchmark.training_flops_per_token(
+        row["num_params"], row["num_layers"], row["hidden_size"], case["seq_len"])
+    assert row["mfu"] == pytest.approx(row["model_tflops"] / row["peak_tflops"])
+
+
+def test_every_suite_names_a_case_for_each_rlhf_step():
+    for suite in suites.SUITES.values():
+        assert set(suite["rlhf"]) == set(suites.PLUGGABLE_STEPS)
+
+
 def test_rlhf_steps_plug_in_only_when_they_can(monkeypatch):
     monkeypatch.setattr(suites, "PLUGGABLE_STEPS", {"missing": "dschat_lib.no_such_module", "no hook": "json"})
     rows = bench_run.rlhf_steps(suites.SUITES["cpu"], 1, 0)

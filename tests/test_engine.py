@@ -53,6 +53,16 @@ def test_ds_config_from_settings():
     assert cfg["fp16"]["enabled"] and cfg["optimizer"]["type"] == "AdamW"
 
 
+def test_extra_config_merges_into_the_settings_config():
+    from dschat_lib import ppo
+
+    settings = engine_lib.TrainSettings(zero_stage=2, dtype="bf16")
+    cfg = engine_lib.build_ds_config(settings, extra=ppo.hybrid_engine_config(32))
+    assert cfg["hybrid_engine"]["enabled"] and cfg["hybrid_engine"]["max_out_tokens"] == 32
+    assert cfg["zero_optimization"]["stage"] == 2 and cfg["bf16"]["enabled"]
+    assert "hybrid_engine" not in engine_lib.build_ds_config(settings)
+
+
 def test_unknown_scheduler_is_refused():
     with pytest.raises(ValueError, match="lr_scheduler_type"):
         engine_lib.build_train_engine(_model(), engine_lib.TrainSettings(lr_scheduler_type="exp"), 10)

@@ -67,3 +67,12 @@ def test_fp16_config_spells_out_every_key():
     assert block == {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 5,
                      "hysteresis": 2, "min_loss_scale": 1}
     assert not math.isnan(block["loss_scale"])
+
+
+def test_train_fp16_refuses_an_engine_without_a_loss_scale():
+    class Bf16Engine:
+        def fp16_enabled(self):
+            return False
+
+    with pytest.raises(ValueError, match="fp16 enabled"):
+        precision.train_fp16(Bf16Engine(), iter([]), 1)
