@@ -61,7 +61,7 @@ test: $(STAMP)
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure here"; exit 1; fi; \
 	  exit $$rc
 
-# The benchmark suite for this machine (GPU if present, else CPU); ~10 minutes on 2 CPU cores.
+# The benchmark suite for this machine (GPU if present, else CPU); ~3 minutes on 2 idle CPU cores.
 bench: $(STAMP)
 	$(VPY) benchmarks/run.py $(BENCH_ARGS)
 

@@ -104,8 +104,11 @@ def _baseline_rows(result: dict) -> list[list[str]]:
 
 
 def _suite_section(title: str, result: dict) -> list[str]:
-    out = [f"## {title}", "", f"*Hardware and software:* {_hardware(result['environment'])}. "
-           f"The suite took {result['wall_s']:.0f} s.", "",
+    took = f"The suite took {result['wall_s']:.0f} s"
+    if "bench_wall_s" in result:
+        took += (f"; `make bench` took {result['bench_wall_s']:.0f} s in all"
+                 + (", DeepSpeed's autotuner included" if result.get("autotuner_ran") else ""))
+    out = [f"## {title}", "", f"*Hardware and software:* {_hardware(result['environment'])}. {took}.", "",
            "### Training step (causal-LM loss, as in step 1 SFT)", "",
            _table(["case", "micro-batch × tokens", "samples/s", "tokens/s", "model TFLOP/s", "MFU",
                    "peak memory (MiB)"], _sft_rows(result)), "",
