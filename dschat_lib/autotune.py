@@ -503,7 +503,10 @@ def run_deepspeed_autotuner(work_dir: str | Path, model_args: dict, dtype: str =
            "--master_port", str(runtime.free_port()), str(Path(__file__).resolve()),
            *script_args, "--deepspeed_config", str(config_path)]
     started = time.time()
-    proc = subprocess.run(cmd, cwd=work_dir, env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, cwd=work_dir, env=env, capture_output=True, text=True, timeout=timeout)
+    finally:
+        runtime.remove_stale_shm_buffers()   # each experiment leaves one
     seconds = time.time() - started
     experiments = []
     for metric_file in sorted((work_dir / "exps").parent.glob("**/metrics.json")):

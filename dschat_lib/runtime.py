@@ -35,6 +35,42 @@ RESULT_DIR_ENV = "DSCHAT_RESULT_DIR"
 
 LOOPBACK = "127.0.0.1"
 
+#: DeepSpeed's CPU all-reduce (its shm_comm op, used when every rank of a launched job is on
+#: one machine) gives each rank a shared-memory segment of about 66 MB named
+#: ``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`` and never unlinks it, so every
+#: launched CPU job leaves its segments in RAM until reboot. Measured here: 284 of them,
+#: 19 GB of a 24 GB machine, after a day of runs.
+SHM_BUFFER_PREFIX = "deepspeed_allreduce_buffer_"
+SHM_DIR = Path("/dev/shm")
+
+
+def remove_stale_shm_buffers(shm_dir: str | os.PathLike = SHM_DIR) -> list[str]:
+    """Delete this user's DeepSpeed shared-memory all-reduce segments that no running process
+    has mapped any more (see :data:`SHM_BUFFER_PREFIX`); return the names removed.
+
+    A segment in use is mapped by its rank, so it shows in that process's ``/proc/<pid>/maps``
+    and is kept; a finished job's segments are mapped by nobody and go.
+    """
+    shm_dir = Path(shm_dir)
+    if not shm_dir.is_dir():
+        return []
+    mine = [p for p in shm_dir.glob(SHM_BUFFER_PREFIX + "*") if p.stat().st_uid == os.getuid()]
+    if not mine:
+        return []
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:          # the process ended, or is not ours to read
+            continue
+        mapped.update(line.split(maxsplit=5)[-1] for line in text.splitlines() if SHM_BUFFER_PREFIX in line)
+    removed = []
+    for path in mine:
+        if str(path) not in mapped:
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
 
 def free_port() -> int:
     """A TCP port on the loopback interface that nothing listens on right now."""
@@ -183,7 +219,10 @@ def launch(module: str, args: Sequence[str] = (), num_ranks: int = 2, result_dir
         raise ValueError(f"launcher must be 'deepspeed' or 'torchrun', not {launcher!r}")
 
     started = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    finally:
+        remove_stale_shm_buffers()
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-4000:]
         raise LaunchError(f"{' '.join(cmd)} exited with {proc.returncode} after "

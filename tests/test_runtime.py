@@ -1,3 +1,4 @@
+import mmap
 import os
 
 import pytest
@@ -60,3 +61,23 @@ def test_launch_does_not_leak_notebook_rank_env(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     results = runtime.launch("dschat_lib.probe", num_ranks=2, result_dir=tmp_path)
     assert [r["rank"] for r in results] == [0, 1]
+
+
+def test_stale_shm_buffers_go_and_mapped_ones_stay(tmp_path):
+    stale = tmp_path / (runtime.SHM_BUFFER_PREFIX + "0_127.0.0.1_1_0")
+    live = tmp_path / (runtime.SHM_BUFFER_PREFIX + "0_127.0.0.1_1_1")
+    unrelated = tmp_path / "some_other_segment"
+    for path in (stale, live, unrelated):
+        path.write_bytes(b"\0" * mmap.PAGESIZE)
+    with open(live, "r+b") as handle, mmap.mmap(handle.fileno(), mmap.PAGESIZE):
+        removed = runtime.remove_stale_shm_buffers(tmp_path)
+    assert removed == [stale.name]
+    assert live.exists() and unrelated.exists() and not stale.exists()
+
+
+def test_launch_leaves_no_shared_memory_behind(tmp_path):
+    # DeepSpeed's CPU all-reduce names each rank's segment after the rendezvous port.
+    port = runtime.free_port()
+    runtime.launch("dschat_lib.probe", num_ranks=2, result_dir=tmp_path, master_port=port)
+    left = [p.name for p in runtime.SHM_DIR.glob(f"{runtime.SHM_BUFFER_PREFIX}*_{port}_*")]
+    assert left == []
