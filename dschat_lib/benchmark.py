@@ -148,7 +148,9 @@ def _apply_lora(model: torch.nn.Module, lora_dim: int) -> torch.nn.Module:
 
 
 def model_shape(model: torch.nn.Module) -> dict:
-    """What the FLOP formulas need: parameter count, layers, width."""
+    """What the FLOP formulas need: parameter count, layers, width. A
+    :class:`~dschat_lib.models.RewardModel` shares its backbone's config, so its count adds
+    the value head to the backbone's."""
     cfg = model.config
     return {"num_params": models.parameter_count(model), "num_layers": cfg.num_hidden_layers,
             "hidden_size": cfg.hidden_size}

@@ -589,7 +589,7 @@ def benchmark_step(case: dict, steps: int = 5, warmup: int = 2) -> dict:
 
     actor, critic = causal_lm(), value_model()
     actor_shape = benchmark.model_shape(actor)
-    critic_shape = {**benchmark.model_shape(critic.backbone), "num_params": models.parameter_count(critic)}
+    critic_shape = benchmark.model_shape(critic)
     engines = build_engines(actor, causal_lm(), critic, value_model(), settings, train, train,
                             num_iterations=steps + warmup + 1)
     generator = torch.Generator().manual_seed(0)

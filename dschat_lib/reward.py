@@ -269,9 +269,9 @@ def benchmark_step(case: dict, steps: int = 5, warmup: int = 2) -> dict:
     from dschat_lib import benchmark, models
 
     def build():
-        backbone = models.create_hf_model(case["arch"], vocab_size=case["vocab_size"], seed=0, head="none")
-        model = models.RewardModel(backbone)
-        return model, {**benchmark.model_shape(backbone), "num_params": models.parameter_count(model)}
+        model = models.RewardModel(models.create_hf_model(case["arch"], vocab_size=case["vocab_size"],
+                                                          seed=0, head="none"))
+        return model, benchmark.model_shape(model)
 
     def pair_batches():
         # chosen rows first, then rejected: the layout PairCollator produces
